@@ -127,6 +127,11 @@ def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
         backwards = [Task(Kind.B, i) for i in range(m)]
     else:
         group = group_size or pp
+        if not pp <= group <= m or 0 < m % group < pp:
+            raise HintError(
+                f"interleaved 1f1b hint needs PP <= microbatch group <= M and M % group == 0 or >= PP "
+                f"(Megatron's own rule); got PP={pp}, M={m}, group={group}: use a multiple of {pp} microbatches"
+            )
         table = [
             (mb, c)
             for start in range(0, m, group)
