@@ -66,7 +66,7 @@ class Arbiter:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.dispatched: list[Task] = []
-        self._dispatched_set: set[Task] = set()
+        self.dispatched_set: set[Task] = set()
         self._order: Optional[list[Task]] = None
         self._order_pos = 0
         if config.strict or self._needs_order():
@@ -86,10 +86,10 @@ class Arbiter:
 
     def record(self, task: Task) -> None:
         """The driver dispatched ``task``: update counters and hint position."""
-        if task in self._dispatched_set:
+        if task in self.dispatched_set:
             raise RuntimeError(f"stage {self.stage}: task {task} dispatched twice; dispatched so far: "
                                f"{format_order(self.dispatched)}")
-        self._dispatched_set.add(task)
+        self.dispatched_set.add(task)
         self.dispatched.append(task)
         if task.kind is Kind.F:
             self.prefer = Kind.B
@@ -103,7 +103,7 @@ class Arbiter:
             self.in_flight -= 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self._order is not None:
-            while self._order_pos < len(self._order) and self._order[self._order_pos] in self._dispatched_set:
+            while self._order_pos < len(self._order) and self._order[self._order_pos] in self.dispatched_set:
                 self._order_pos += 1
 
     @property
@@ -120,7 +120,7 @@ class Arbiter:
     def remaining_order(self) -> Iterator[Task]:
         assert self._order is not None
         for task in self._order[self._order_pos:]:
-            if task not in self._dispatched_set:
+            if task not in self.dispatched_set:
                 yield task
 
     def describe(self) -> dict:
@@ -167,14 +167,14 @@ class Arbiter:
         if chunks == 1:
             return None
         for mb in range(self.num_microbatches):
-            if Task(Kind.F, mb, 0) not in self._dispatched_set:
+            if Task(Kind.F, mb, 0) not in self.dispatched_set:
                 continue
             for chunk in range(1, chunks):
                 task = Task(Kind.F, mb, chunk)
-                if task not in self._dispatched_set:
+                if task not in self.dispatched_set:
                     return task
             last_kind = Kind.W if self.split_backward else Kind.B
-            if any(Task(last_kind, mb, c) not in self._dispatched_set for c in range(chunks)):
+            if any(Task(last_kind, mb, c) not in self.dispatched_set for c in range(chunks)):
                 return None  # focus is in its backward phase: B/W are allowed anyway
         return None
 
