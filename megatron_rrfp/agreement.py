@@ -77,9 +77,10 @@ class TPAgreement:
             mine[self.index[task]] = 1
         digest = torch.tensor([dispatched, self._digest], dtype=torch.int64)
         mine[n:] = digest.view(torch.uint8)
-        out = torch.empty(self.size, mine.numel(), dtype=torch.uint8)
+        flat = torch.empty(self.size * mine.numel(), dtype=torch.uint8)
         start = time.perf_counter()
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        dist.all_gather_into_tensor(flat, mine, group=self.group)
+        out = flat.view(self.size, mine.numel())
         self.stats.seconds += time.perf_counter() - start
         self.stats.rounds += 1
         digests = out[:, n:].contiguous().view(torch.int64).view(self.size, _DIGEST_WORDS)

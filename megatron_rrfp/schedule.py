@@ -122,6 +122,11 @@ def _runtime(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, 
     return _RUNTIME
 
 
+def agreement_group():
+    """This rank's TP-agreement group (None before the first call or without TP)."""
+    return None if _RUNTIME is None else _RUNTIME.agreement_group
+
+
 def shutdown() -> None:
     """Stop transport threads (tests, or before destroying process groups)."""
     global _RUNTIME
