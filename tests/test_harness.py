@@ -1,0 +1,225 @@
+"""The multi-process launcher, the CPU adapter and the reference models.
+
+    python -m pytest tests/test_harness.py -q        # ~1 min on 2 cores
+
+Rank functions are top-level (they are pickled into 'spawn' children) and import
+megatron-core inside, so the failure tests that skip it start in ~1 s instead of ~5 s.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_rrfp.testing import DistributedTestFailure, launch
+from megatron_rrfp.testing import launcher as launcher_module
+
+SEQ, MBS, VOCAB, MICROBATCHES = 8, 2, 64, 4
+
+
+def _assert_all_reaped(outcomes_or_pids) -> None:
+    pids = [getattr(o, "pid", o) for o in outcomes_or_pids]
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+def _report_layout():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": dist.get_rank(), "pid": os.getpid(),
+        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        "pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+        "env": (os.environ.get("OMP_NUM_THREADS"), os.environ.get("RRFP_TEST_MARK")),
+        "mlp_losses": _mlp_1f1b_losses(),
+    }
+
+
+def _mlp_1f1b_losses() -> list[float]:
+    """Run megatron-core's own schedule over MLPStage; per-microbatch losses (last stage)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rrfp import models
+    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+
+    enable_cpu_reference_schedules()
+    config = models.tiny_gpt_config(num_layers=4, hidden_size=16, ffn_hidden_size=32)
+    stage = models.build_mlp_stage(config, seed=11)
+    data = models.synthetic_mlp_batches(seed=5, micro_batch_size=MBS, seq_length=SEQ,
+                                        hidden_size=16)
+    losses = get_forward_backward_func()(
+        forward_step_func=models.mlp_forward_step, data_iterator=data, model=stage,
+        num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS)
+    return [float(d["mse loss"][0]) for d in losses]
+
+
+def _gpt_grads(full_state=None) -> dict:
+    """megatron-core's schedule for this layout over GPT stages; PP=1 names -> grads.
+
+    With ``full_state`` (parameters of the PP=1 model by name) the stages are loaded from
+    it, so a pipelined run computes the very same function as the sequential one.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rrfp import models
+    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+
+    enable_cpu_reference_schedules()
+    config = models.tiny_gpt_config(num_layers=4)
+    stage = models.build_gpt_stage(config, vocab_size=VOCAB, seq_length=SEQ, seed=7)
+    names = models.pp1_parameter_names(stage)
+    if full_state is not None:
+        with torch.no_grad():
+            for name, param in stage.named_parameters():
+                param.copy_(full_state[names[name]])
+    data = models.synthetic_gpt_batches(seed=3, micro_batch_size=MBS, seq_length=SEQ,
+                                        vocab_size=VOCAB)
+    losses = get_forward_backward_func()(
+        forward_step_func=models.gpt_forward_step, data_iterator=data, model=stage,
+        num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS)
+    params = dict(stage.named_parameters())
+    return {
+        "losses": [d["lm loss"] for d in losses],
+        "grads": {names[n]: p.grad.clone() for n, p in params.items()},
+        "state": {names[n]: p.detach().clone() for n, p in params.items()},
+    }
+
+
+def _raise_hang_die_or_return():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        raise ValueError("rank 0 exploded on purpose")
+    if rank == 1:
+        _sleep_forever()
+    if rank == 2:
+        os._exit(3)
+    return "fine"
+
+
+def _sleep_forever():
+    while True:
+        time.sleep(1)
+
+
+def _hang_in_barrier_or_sleep():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.barrier()
+    _sleep_forever()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def _sequential_reference() -> dict:
+    return {"mlp_losses": _mlp_1f1b_losses(), "gpt": _gpt_grads()}
+
+
+@pytest.fixture(scope="module")
+def sequential():
+    """Single-process (PP=1) runs that the distributed layouts must reproduce."""
+    return launch(_sequential_reference, world_size=1, timeout=60)[0]
+
+
+@pytest.mark.timeout(150)  # covers the module fixture's launch too
+@pytest.mark.parametrize("tp, pp", [(2, 2), (1, 4), (1, 2)], ids=["tp2pp2", "pp4", "dp2pp2"])
+def test_launch_layouts_match_parallel_state(tp, pp, sequential):
+    out = launch(_report_layout, world_size=4, tp=tp, pp=pp, timeout=60,
+                 env={"RRFP_TEST_MARK": "seen"})
+    dp = 4 // (tp * pp)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    for rank, o in enumerate(out):
+        # megatron's default order "tp-cp-ep-dp-pp": tp varies fastest, pp slowest.
+        assert o["tp"] == (rank % tp, tp)
+        assert o["dp"] == ((rank // tp) % dp, dp)
+        assert o["pp"] == (rank // (tp * dp), pp)
+        assert o["env"] == ("1", "seen")
+        last_stage = o["pp"][0] == pp - 1
+        # MLPStage's init is layout independent, so every layout computes the PP=1 losses.
+        if last_stage:
+            assert o["mlp_losses"] == pytest.approx(sequential["mlp_losses"], rel=1e-5)
+        else:
+            assert o["mlp_losses"] == []
+    _assert_all_reaped([o["pid"] for o in out])
+
+
+@pytest.mark.timeout(90)
+def test_failure_reports_every_rank_and_kills_the_hung_one(monkeypatch):
+    monkeypatch.setattr(launcher_module, "GRACE_PERIOD_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure) as info:
+        launch(_raise_hang_die_or_return, world_size=4, init_megatron=False, timeout=50)
+    assert time.monotonic() - start < 45  # not the 50 s timeout: the grace period ended it
+    err = info.value
+    assert [o.status for o in err.outcomes[:3]] == ["raised", "killed", "died"]
+    # Rank 3's fn returned, but the teardown barrier needs the dead ranks: it errors
+    # (connection reset) or blocks until killed. Either way it is reported, not "ok".
+    assert err.outcomes[3].status in ("raised", "killed")
+    if err.outcomes[3].status == "raised":
+        assert err.outcomes[3].detail.startswith("fn returned, then teardown failed")
+    message = str(err)
+    assert "ValueError: rank 0 exploded on purpose" in message
+    assert "_raise_hang_die_or_return" in err.outcomes[0].detail
+    assert "_sleep_forever" in err.outcomes[1].stacks  # faulthandler dump of the hung rank
+    assert err.outcomes[1].exitcode == -9
+    assert err.outcomes[2].exitcode == 3
+    for rank in range(4):
+        assert f"--- rank {rank} " in message
+    _assert_all_reaped(err.outcomes)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_all_and_shows_stacks():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure) as info:
+        # 10 s: enough for both ranks to import torch and reach fn on a busy 2-core box.
+        launch(_hang_in_barrier_or_sleep, world_size=2, init_megatron=False, timeout=10)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10 + launcher_module.STACK_DUMP_WAIT_S + 10
+    err = info.value
+    assert "timed out after 10 s" in str(err)
+    assert [o.status for o in err.outcomes] == ["killed", "killed"]
+    assert "in barrier" in err.outcomes[0].stacks
+    assert "_sleep_forever" in err.outcomes[1].stacks
+    _assert_all_reaped(err.outcomes)
+
+
+def test_bad_layout_is_rejected_before_starting():
+    with pytest.raises(ValueError, match="tp\\*pp\\*cp=2\\*3\\*1"):
+        launch(_sleep_forever, world_size=4, tp=2, pp=3)
+    with pytest.raises(ValueError, match="vpp"):
+        launch(_sleep_forever, world_size=2, vpp=2, pp=1)
+
+
+@pytest.mark.timeout(150)
+def test_megatron_1f1b_pp2_gradients_equal_sequential_run(sequential):
+    """The reference fact the executor is checked against: megatron-core's own 1F1B at
+    PP=2 on CPU (via enable_cpu_reference_schedules) equals a single-process run.
+
+    The PP=1 run's initial parameters are loaded into the PP=2 stages (by PP=1 name), so
+    both compute the same function on the same micro-batches.
+    """
+    reference = sequential["gpt"]
+    stages = launch(_gpt_grads, world_size=2, timeout=60,
+                    kwargs={"full_state": reference["state"]})
+    pipelined = {**stages[0]["grads"], **stages[1]["grads"]}
+    assert sorted(pipelined) == sorted(reference["grads"])
+    assert not set(stages[0]["grads"]) & set(stages[1]["grads"])  # each param on one stage
+    for name, grad in reference["grads"].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(pipelined[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert stages[0]["losses"] == []
+    torch.testing.assert_close(stages[1]["losses"], reference["losses"], rtol=1e-5, atol=0)
