@@ -64,6 +64,7 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.transformer.utils",  # get_default_causal_mask: attention_mask=None
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor: local attention's matmul buffer
     "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter output buffers
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP's grad buffers on current_device()
 )
 # torch functions that take `device=`; only these are wrapped, so classes such as
 # torch.Tensor stay real classes (isinstance checks keep working).
@@ -174,3 +175,134 @@ def _disable_cuda_rng_fork() -> None:
         return contextlib.nullcontext()
 
     tp_random.CudaRNGStatesTracker.fork = fork
+
+
+# --------------------------------------------------------------------------- schedule calls
+#
+# The executor runs each microbatch through megatron-core's own forward_step /
+# backward_step, so loss scaling, per-token loss and MoE aux-loss scaling stay Megatron's.
+# Their signatures move between releases (0.19's backward_step drops model_type); these
+# wrappers pass only what the installed release accepts.
+
+import inspect  # noqa: E402
+from dataclasses import dataclass as _dataclass  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+
+def _schedules():
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules
+
+
+def _accepted(func, kwargs: dict) -> dict:
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def pipeline_device() -> torch.device:
+    """Where activations live: the current CUDA device, else CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def get_model_config(model):
+    from megatron.core.utils import get_model_config as _get
+
+    return _get(model)
+
+
+def model_type(model):
+    from megatron.core.utils import get_model_type
+
+    return get_model_type(model)
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                 config, **kwargs):
+    fn = _schedules().forward_step
+    return fn(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+              **_accepted(fn, kwargs))
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    fn = _schedules().backward_step
+    if "model_type" in inspect.signature(fn).parameters:  # <= 0.18
+        return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def first_val_step(first_val_step_flag, forward_only: bool, cond: bool) -> bool:
+    return _schedules().check_first_val_step(first_val_step_flag, forward_only, cond)
+
+
+def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool) -> None:
+    _schedules().deallocate_output_tensor(out, deallocate_pipeline_outputs)
+
+
+def clear_embedding_activation_buffer(config, model, is_last_stage: bool):
+    fn = getattr(_schedules(), "clear_embedding_activation_buffer", None)
+    return fn(config, model, is_last_stage) if fn is not None else None
+
+
+def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage: bool, tp_group) -> None:
+    fn = getattr(_schedules(), "finish_embedding_wgrad_compute", None)
+    if fn is not None:
+        params = list(inspect.signature(fn).parameters)
+        fn(*(config, embedding_module, is_last_stage, tp_group)[: len(params)])
+
+
+def finalize_model_grads(config, models, num_tokens, *, pg_collection, force_all_reduce) -> None:
+    fn = config.finalize_model_grads_func
+    kwargs = _accepted(fn, dict(pg_collection=pg_collection, force_all_reduce=force_all_reduce))
+    fn(models, num_tokens, **kwargs)
+
+
+def expert_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_expert_model_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 1
+
+
+@_dataclass
+class ScheduleGroups:
+    pp: Any
+    tp: Any
+    cp: Any
+    agreement_ranks: list
+    collection: Optional[Any]  # what to hand to finalize_model_grads (None: Megatron's globals)
+
+
+def process_groups(*, pg_collection=None, p2p_communicator=None) -> ScheduleGroups:
+    """The groups the schedule needs, from an explicit ProcessGroupCollection (0.15+) or
+    from megatron's parallel_state. Agreement spans tensor x context parallel ranks: both
+    run collectives inside every forward and backward."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if pg_collection is not None:
+        pp, tp, cp = pg_collection.pp, pg_collection.tp, pg_collection.cp
+        tp_cp = getattr(pg_collection, "tp_cp", None)
+        if tp_cp is None and cp.size() > 1:
+            raise ValueError("megatron_rrfp: pg_collection with context parallelism must carry 'tp_cp' "
+                             "(the tensor x context parallel group) for the TP agreement")
+        agreement = dist.get_process_group_ranks(tp_cp if tp_cp is not None else tp)
+    else:
+        pp = p2p_communicator.pp_group if p2p_communicator is not None else \
+            parallel_state.get_pipeline_model_parallel_group()
+        tp = parallel_state.get_tensor_model_parallel_group()
+        cp = parallel_state.get_context_parallel_group()
+        agreement = dist.get_process_group_ranks(parallel_state.get_tensor_and_context_parallel_group())
+    return ScheduleGroups(pp=pp, tp=tp, cp=cp, agreement_ranks=sorted(agreement), collection=pg_collection)
+
+
+def pipeline_parallel_size(schedule_pg_collection=None) -> int:
+    if schedule_pg_collection is not None and getattr(schedule_pg_collection, "pp", None) is not None:
+        return schedule_pg_collection.pp.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
