@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -62,10 +63,68 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    from .bench import SCHEDULES, VARIABILITY_LEVELS
+
+    for name in ("bench", "demo"):
+        demo = name == "demo"
+        p = sub.add_parser(name, help=("the 3-minute CPU demo: Megatron 1F1B vs RRFP on a real GPTModel" if demo
+                                       else "measure schedules on real megatron-core models (every knob)"))
+        p.add_argument("--model", default="gpt", choices=("gpt", "multimodal"))
+        p.add_argument("--pp", type=int, default=4, help="pipeline stages (one process each locally)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+        p.add_argument("--microbatches", "-m", type=int, default=16)
+        p.add_argument("--micro-batch-size", type=int, default=2)
+        p.add_argument("--seq-length", type=int, default=32)
+        p.add_argument("--hidden-size", type=int, default=32)
+        p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+        p.add_argument("--variability", default="j3", choices=list(VARIABILITY_LEVELS),
+                       help="j0 none ... j3 = sigma_c 0.3, c50 0.1 f0, sigma_m 1.5 (the paper's reference)")
+        p.add_argument("--f0-ms", type=float, default=50.0, help="emulated forward time per stage and microbatch")
+        p.add_argument("--straggler-stage", type=int, default=None)
+        p.add_argument("--straggler-factor", type=float, default=1.0)
+        p.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread")
+        p.add_argument("--images-per-sample", type=float, default=0.0, help="multimodal: mean images (Poisson)")
+        p.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 time per image, units of f0")
+        p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--buffer-limit", type=int, default=32)
+        p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
+        p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
+        p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the run is killed")
+        p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import shutil
+
+    from .bench import BenchConfig, format_table, run_bench
+
+    config = BenchConfig(
+        model=args.model, pipeline_size=args.pp, tensor_parallel=args.tp, data_parallel=args.dp,
+        num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
+        variability=args.variability, f0_ms=args.f0_ms, straggler_stage=args.straggler_stage,
+        straggler_factor=args.straggler_factor, seq_len_sigma=args.seq_len_sigma,
+        images_per_sample=args.images_per_sample, encoder_time_per_image=args.encoder_time,
+        iterations=args.iterations, warmup=args.warmup, seed=args.seed, buffer_limit=args.buffer_limit,
+        out_dir=args.out, timeout_s=args.timeout)
+    report = run_bench(config)
+    print(format_table(report))
+    print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
+          f"traces: {config.out_dir}/trace-*.json (open in ui.perfetto.dev)")
+    if args.json:
+        shutil.copyfile(os.path.join(config.out_dir, "bench.json"), args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rrfp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_bench(sub)
     return parser
 
 

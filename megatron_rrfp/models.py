@@ -201,6 +201,7 @@ class MLPStage(MegatronModule):
                  num_blocks: int, pre_process: bool, post_process: bool):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by the schedules
+        self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         self.pre_process = pre_process
         self.post_process = post_process
         self.first_block = first_block
