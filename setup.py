@@ -21,10 +21,11 @@ setup(
         "megatron-core>=0.15,<0.20",
         "numpy",
         "tqdm",
+        "matplotlib",  # timelines and goodput charts
+        "packaging",
     ],
     extras_require={
-        "plots": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
     },
     entry_points={"console_scripts": ["megatron-rrfp=megatron_rrfp.cli:main"]},
 )
