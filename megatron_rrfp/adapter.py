@@ -65,6 +65,7 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor: local attention's matmul buffer
     "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter output buffers
     "megatron.core.distributed.param_and_grad_buffer",  # DDP's grad buffers on current_device()
+    "megatron.core.timers",  # Timer.start/stop synchronize CUDA; min/max gather on current_device()
 )
 # torch functions that take `device=`; only these are wrapped, so classes such as
 # torch.Tensor stay real classes (isinstance checks keep working).

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rrfp.testing import DistributedTestFailure, launch
 from megatron_rrfp.testing.equivalence import Case, run_cases
-from megatron_rrfp.testing.failures import bad_options, stress, unresponsive_peer
+from megatron_rrfp.testing.failures import api_contract, stress, unresponsive_peer
 
 TOL = 1e-5
 
@@ -74,8 +74,11 @@ def test_stress_hundreds_of_delay_patterns_tp2_pp2():
 
 
 @pytest.mark.timeout(200)
-def test_bad_options_raise_errors_naming_the_option():
-    messages = launch(bad_options, world_size=2, timeout=150)[0]
+def test_routing_timers_and_bad_options_naming_the_option():
+    result = launch(api_contract, world_size=2, timeout=150)[0]
+    assert result["routed"] == {"pp2": True, "pp1": True}
+    assert all(seconds > 0 for seconds in result["timers"].values()), result["timers"]
+    messages = result["errors"]
     assert "overlap_p2p_comm" in messages["overlap_p2p_comm"]
     assert "buffer_limit" in messages["buffer_limit"]
     assert "unknown hint 'zigzag'" in messages["hint"] and "--rrfp-hint" in messages["hint"]

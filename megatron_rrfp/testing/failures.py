@@ -23,11 +23,23 @@ def _stage_and_data():
     return model, data, models.mlp_forward_step
 
 
-def bad_options() -> dict:
-    """Each bad option raises ValueError naming it, before any communication."""
-    from ..schedule import forward_backward_rrfp
+def api_contract() -> dict:
+    """get_forward_backward_func routing, config.timers, and bad options (each raises a
+    ValueError naming the option before any communication)."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.timers import Timers
+
+    from ..schedule import forward_backward_rrfp, get_forward_backward_func
 
     model, data, step = _stage_and_data()
+    routed = {"pp2": get_forward_backward_func() is forward_backward_rrfp,
+              "pp1": get_forward_backward_func(pp_size=1) is schedules.forward_backward_no_pipelining}
+    model.config.timers = Timers(log_level=2, log_option="minmax")
+    forward_backward_rrfp(forward_step_func=step, data_iterator=data, model=model, num_microbatches=4,
+                          seq_length=8, micro_batch_size=2)
+    timers = {name: model.config.timers(name).elapsed(reset=False)
+              for name in ("forward-backward", "forward-compute", "backward-compute")}
+    model.config.timers = None
     messages = {}
     attempts = {
         "overlap_p2p_comm": dict(),
@@ -45,7 +57,7 @@ def bad_options() -> dict:
         except ValueError as exc:
             messages[name] = str(exc)
     model.config.overlap_p2p_comm = False
-    return messages
+    return {"routed": routed, "timers": timers, "errors": messages}
 
 
 def unresponsive_peer(report_path: str, mode: str, timeout_s: float = 3.0) -> str:
