@@ -144,9 +144,9 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
         ctx = multiprocessing.get_context("spawn")
         for rank in range(world_size):
             spec = _RankSpec(rank=rank, world_size=world_size, parent_pid=os.getpid(),
-                             store_port=store.port, tp=tp, pp=pp, cp=cp, vpp=vpp, init_megatron=init_megatron, seed=seed,
-                             env=child_env, payload=payload, run_dir=run_dir,
-                             pg_timeout_s=timeout + 30)
+                             store_port=store.port, tp=tp, pp=pp, cp=cp, vpp=vpp,
+                             init_megatron=init_megatron, seed=seed, env=child_env,
+                             payload=payload, run_dir=run_dir, pg_timeout_s=timeout + 30)
             proc = ctx.Process(target=_child_main, args=(spec,), name=f"rrfp-rank{rank}")
             proc.start()
             procs.append(proc)
@@ -349,6 +349,9 @@ def _child_main(spec: _RankSpec) -> None:
                              + traceback.format_exc()))
         _hard_exit(1)
     _write_result(spec, ("ok", value))
+    # Skip interpreter shutdown: on a loaded machine, garbage-collecting the destroyed
+    # gloo groups at exit was seen to hang all ranks ("Garbage-collecting", no Python frame).
+    _hard_exit(0)
 
 
 def _redirect_stdio(spec: _RankSpec) -> None:
