@@ -299,7 +299,8 @@ class StageTransport:
                 s.bytes_sent += item.tensor.numel() * item.tensor.element_size()
                 s.send_seconds += elapsed
                 self._pending_sends -= 1  # after on_sent: flush() implies every on_sent ran
-                self._cv.notify_all()
+                if self._pending_sends == 0:  # only flush() waits on this; waking it per
+                    self._cv.notify_all()     # message costs a GIL hand-off each time
 
     def _recv_loop(self, src: int) -> None:
         group, stream = self._groups[(src, self.rank)], self._new_stream()

@@ -127,11 +127,29 @@ def _exchange(n: int, ring: bool, big_every: int = 0, megatron: bool = True) -> 
     return {"stats": stats, "groups": sorted(groups)}
 
 
+def _phases(*phases: tuple) -> list:
+    """Several checks in one launch: starting ranks costs seconds each on 2 cores."""
+    return [fn(*args, **kwargs) for fn, args, kwargs in phases]
+
+
+@pytest.fixture(scope="module")
+def world4() -> list:
+    """4 ranks, no Megatron (its discovery is covered by the two-pipeline test): linear
+    PP=4 exchange, then the PP=4 interleaved ring."""
+    return launch(_phases, world_size=4, init_megatron=False, timeout=80, args=(
+        (_exchange, (), dict(n=150, ring=False, megatron=False)), (_interleaved, (2, 4), {})))
+
+
+@pytest.fixture(scope="module")
+def world2() -> list:
+    """2 ranks, no Megatron: PP=2 interleaved ring, then delayed delivery."""
+    return launch(_phases, world_size=2, init_megatron=False, timeout=60, args=(
+        (_interleaved, (2, 4), {}), (_delayed, ({0: 1.6, 3: 0.8},), {})))
+
+
 @pytest.mark.timeout(90)
-def test_pp4_linear_many_messages_both_directions():
-    # Megatron's discovery is covered by the two-pipeline test; skip its import here.
-    out = launch(_exchange, world_size=4, init_megatron=False, timeout=80,
-                 kwargs=dict(n=150, ring=False, megatron=False))
+def test_pp4_linear_many_messages_both_directions(world4):
+    out = [phases[0] for phases in world4]
     assert [len(o["groups"]) for o in out] == [2, 4, 4, 2]
     s = out[1]["stats"]
     assert s.bytes_sent > 0 and s.send_seconds > 0 and s.recv_seconds > 0
@@ -206,11 +224,11 @@ def _interleaved(num_chunks: int, num_microbatches: int) -> dict:
     return {"finals": finals, "groups": sorted(groups), "new_group_calls": calls}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("pp", [2, 4])
-def test_ring_groups_carry_interleaved_pipeline(pp):
-    C, M = 2, 4
-    out = launch(_interleaved, world_size=pp, init_megatron=False, timeout=50, args=(C, M))
+def test_ring_groups_carry_interleaved_pipeline(pp, request):
+    C, M = 2, 4  # as in the world2 / world4 fixtures
+    out = [phases[1 if pp == 4 else 0] for phases in request.getfixturevalue(f"world{pp}")]
     V = C * pp
     assert out[0]["finals"] == {mb: 10 * (mb + V) + V - 2 for mb in range(M)}
     # 2 directed groups per ring link; PP=2's ring links coincide with its linear ones.
@@ -242,10 +260,9 @@ def _delayed(delays: dict) -> list:
     return [(t, m.microbatch) for t, m in inbox.msgs]
 
 
-@pytest.mark.timeout(60)
-def test_delay_fn_delivers_out_of_order_without_blocking_later_messages():
-    log = launch(_delayed, world_size=2, init_megatron=False, timeout=50,
-                 args=({0: 1.6, 3: 0.8},))[1]
+@pytest.mark.timeout(90)
+def test_delay_fn_delivers_out_of_order_without_blocking_later_messages(world2):
+    log = world2[1][1]  # rank 1's delivery log ({0: 1.6, 3: 0.8} s delays)
     order = [mb for _, mb in log]
     assert order == [1, 2, 4, 5, 6, 7, 8, 9, 3, 0]
     at = {mb: t for t, mb in log}
