@@ -34,7 +34,7 @@ class StageWork(Protocol):
                 send: Optional[Callable[[torch.Tensor], None]]) -> None: ...
 
     def backward(self, task: Task, output_grad: Optional[torch.Tensor],
-                 send: Optional[Callable[[torch.Tensor], None]], last_backward: bool) -> None: ...
+                 send: Optional[Callable[[torch.Tensor], None]]) -> None: ...
 
 
 class Inbox:
@@ -208,8 +208,7 @@ class PipelineIteration:
             upstream = self.topology.upstream(self.stage, chunk)
             send = None if upstream is None else self._sender("gradient", mb, upstream)
             self.backwards_left -= 1
-            self.work.backward(task, self.gradients.pop((mb, chunk), None), send,
-                               last_backward=self.backwards_left == 0)
+            self.work.backward(task, self.gradients.pop((mb, chunk), None), send)
         else:
             raise NotImplementedError(f"task kind {task.kind} is not executable by this runtime yet")
         end = time.time()

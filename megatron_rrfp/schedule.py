@@ -10,10 +10,8 @@ the *communication* change — never the math.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,6 +23,7 @@ from .actions import Task
 from .agreement import TPAgreement, create_agreement_groups
 from .arbiter import Arbiter, ArbiterConfig
 from .executor import Inbox, IterationReport, PipelineIteration
+from .grad_sync import GradSyncController
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -179,12 +178,12 @@ class MegatronStageWork:
 
     def __init__(self, *, forward_step_func, data_iterators, models, num_microbatches: int, config,
                  topology: Topology, stage: int, cp_size: int, forward_only: bool,
-                 collect_non_loss_data: bool, first_val_step, enable_grad_sync: Callable[[], None]) -> None:
+                 collect_non_loss_data: bool, first_val_step, grad_sync: GradSyncController) -> None:
         self.forward_step_func, self.models, self.config = forward_step_func, models, config
         self.feeds = [MicrobatchFeed(it) for it in data_iterators]
         self.num_microbatches, self.topology, self.stage, self.cp_size = num_microbatches, topology, stage, cp_size
         self.forward_only, self.collect_non_loss_data, self.first_val_step = forward_only, collect_non_loss_data, first_val_step
-        self.enable_grad_sync = enable_grad_sync
+        self.grad_sync = grad_sync
         self.model_type = adapter.model_type(models[0])
         self.saved: dict[tuple[int, int], tuple[list, list]] = {}
         self.outputs: dict[int, list] = {}
@@ -199,6 +198,7 @@ class MegatronStageWork:
         store: list = []
         first = self._forwards_run[chunk] == 0
         self._forwards_run[chunk] += 1
+        self.grad_sync.before_forward(chunk)
         output, num_tokens = adapter.forward_step(
             self.forward_step_func, self.feeds[chunk].view(mb), self.models[chunk], self.num_microbatches,
             inputs, store, self.config, cp_group_size=self.cp_size,
@@ -216,13 +216,13 @@ class MegatronStageWork:
             self.saved[(mb, chunk)] = (inputs, output)
             adapter.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
 
-    def backward(self, task: Task, output_grad, send, last_backward: bool) -> None:
+    def backward(self, task: Task, output_grad, send) -> None:
         inputs, output = self.saved.pop((task.microbatch, task.chunk))
-        if last_backward:
-            self.enable_grad_sync()  # lets DDP launch its reductions during this last backward
+        self.grad_sync.before_backward(task.chunk)  # the chunk's last backward may reduce
         input_grad = adapter.backward_step(inputs, output, [output_grad], self.model_type, self.config)
         if send is not None:
             send(input_grad[0])
+        self.grad_sync.after_backward(task.chunk)
 
     def losses_in_microbatch_order(self) -> list:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
@@ -239,14 +239,13 @@ _UNSUPPORTED_FLAGS = {
 
 def _check_supported(config, models) -> None:
     for flag, fix in _UNSUPPORTED_FLAGS.items():
+        if flag == "overlap_p2p_comm" and len(models) > 1:
+            continue  # Megatron-LM's default for interleaving; RRFP's transport always overlaps
         if getattr(config, flag, None) not in (None, False):
             raise ValueError(f"megatron_rrfp: config.{flag}={getattr(config, flag)!r} is not supported: {fix}")
     if adapter.expert_parallel_size() > 1:
         raise ValueError("megatron_rrfp: expert_model_parallel_size > 1 is not supported yet (expert all-to-alls "
                          "span data-parallel ranks and would need agreement across them); use the 1f1b schedule")
-    if len(models) > 1:
-        raise ValueError("megatron_rrfp: interleaved (virtual) pipelines are not supported by this release; "
-                         "pass a single model chunk or use Megatron's interleaved schedule")
 
 
 def forward_backward_rrfp(
@@ -309,17 +308,18 @@ def forward_backward_rrfp(
     is_last_stage = stage == len(pp_ranks) - 1
     embedding_module = None
     if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = adapter.clear_embedding_activation_buffer(config, models[0], is_last_stage)
+        embedding_module = adapter.clear_embedding_activation_buffer(config, model, is_last_stage)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
-    grad_sync = _GradSync(config, models, pp_rank=stage)
-    grad_sync.disable()
+    grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
+                                   forward_only=forward_only)
+    grad_sync.start()
     work = MegatronStageWork(
         forward_step_func=forward_step_func, data_iterators=iterators, models=models,
         num_microbatches=num_microbatches, config=config, topology=topology, stage=stage,
         cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, enable_grad_sync=grad_sync.enable_for_last_backward)
+        first_val_step=first_val_step, grad_sync=grad_sync)
     iteration = PipelineIteration(
         work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks, transport=transport,
         inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s, forward_only=forward_only,
@@ -327,10 +327,7 @@ def forward_backward_rrfp(
     report = iteration.run()
     _last_reports[:] = [report]
 
-    if not forward_only:
-        grad_sync.finish()
-    else:
-        grad_sync.enable()
+    grad_sync.finish()
     if config.finalize_model_grads_func is not None and not forward_only:
         adapter.finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, groups.tp)
         adapter.finalize_model_grads(config, models, work.total_num_tokens if config.calculate_per_token_loss else None,
@@ -338,37 +335,6 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()
-
-
-class _GradSync:
-    """Megatron's contract: gradient reductions stay off (``no_sync_func``) until the last
-    backward of the iteration; ``grad_sync_func`` (if any) runs afterwards. With a
-    grad_sync_func only the first stage enables sync early — the others reduce in their
-    bubble, as in Megatron's own schedules."""
-
-    def __init__(self, config, models, *, pp_rank: int) -> None:
-        self.config, self.models, self.pp_rank = config, models, pp_rank
-        self._context = None
-
-    def disable(self) -> None:
-        if self._context is None:
-            self._context = (self.config.no_sync_func or contextlib.nullcontext)()
-            self._context.__enter__()
-
-    def enable(self) -> None:
-        if self._context is not None:
-            self._context.__exit__(None, None, None)
-            self._context = None
-
-    def enable_for_last_backward(self) -> None:
-        if self.config.grad_sync_func is None or self.pp_rank == 0:
-            self.enable()
-
-    def finish(self) -> None:
-        if self._context is not None:
-            self.enable()
-            if self.config.grad_sync_func is not None:
-                self.config.grad_sync_func(self.models[0].parameters())
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
