@@ -19,7 +19,8 @@ import torch
 @dataclass(kw_only=True, slots=True)
 class Case:
     model: str = "gpt"
-    """gpt (megatron-core GPTModel, local spec) or mlp (column/row-parallel MLP stages)."""
+    """gpt (megatron-core GPTModel, local spec), mlp (column/row-parallel MLP stages) or
+    multimodal (recipes.multimodal: ViT + projector on stage 0, GPT decoder)."""
     num_microbatches: int = 8
     iterations: int = 1
     forward_only: bool = False
@@ -54,6 +55,11 @@ def _build(case: Case, data_parallel: int):
         else models.tiny_gpt_config()
     if case.model == "gpt":
         stage = models.build_gpt_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
+    elif case.model == "multimodal":
+        from ..recipes import multimodal
+
+        spec = multimodal.MultimodalSpec(seq_length=case.seq_length, vocab_size=case.vocab_size)
+        stage = multimodal.build_multimodal_stage(multimodal.multimodal_config(), spec, seed=11)
     else:
         stage = models.build_mlp_stage(config, seed=11)
     if data_parallel > 1:
@@ -91,6 +97,12 @@ def _data(case: Case, iteration: int):
     if case.model == "gpt":
         return models.synthetic_gpt_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
                                             seq_length=case.seq_length, vocab_size=case.vocab_size)
+    if case.model == "multimodal":  # images per sample ~ Poisson(1): encoder work varies per micro-batch
+        from ..recipes import multimodal
+
+        spec = multimodal.MultimodalSpec(seq_length=case.seq_length, vocab_size=case.vocab_size)
+        return multimodal.synthetic_multimodal_batches(spec, seed=100 + iteration, micro_batch_size=case.micro_batch_size,
+                                                       images_per_sample_mean=1.0)
     return models.synthetic_mlp_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
                                         seq_length=case.seq_length, hidden_size=32)
 
@@ -110,6 +122,8 @@ def compare_with_megatron(case: Case) -> dict:
     data_parallel = parallel_state.get_data_parallel_world_size()
     reference, candidate = _build(case, data_parallel), _build(case, data_parallel)
     forward_step = models.gpt_forward_step if case.model == "gpt" else models.mlp_forward_step
+    if case.model == "multimodal":
+        from ..recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
     options = RRFPConfig(
         hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit, timeout_s=case.timeout_s,
