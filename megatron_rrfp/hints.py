@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from .actions import Kind, Task, parse_order
@@ -174,6 +175,50 @@ def load_hint_file(path: str) -> OrderedHint:
     return OrderedHint(os.path.basename(path), orders)
 
 
+_PIPELINING_ACTION = re.compile(r"^\s*(\d+)\s*([A-Z_]+?)\s*(\d+)\s*$")
+# torch.distributed.pipelining computation types -> ours. "I" (backward input) is our B of
+# a split backward; "B" (full backward) our unsplit B; communication actions are dropped
+# (the transport is message-driven).
+_PIPELINING_KINDS = {"F": Kind.F, "I": Kind.B, "W": Kind.W, "B": Kind.B}
+_PIPELINING_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+def load_pipelining_csv(path: str, num_stages: Optional[int] = None) -> OrderedHint:
+    """torch.distributed.pipelining's CSV: one row per rank, cells ``{stage}{F|I|W|B}{mb}``
+    (e.g. ``0F0,0I0,0W0``), stage = global (virtual) stage. Megatron places virtual stage v
+    on rank v % PP as chunk v // PP ("loop" placement); a schedule written for another
+    placement (e.g. ZBV's V shape) is rejected with the offending cell."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            rows = [[c.strip() for c in line.strip().split(",") if c.strip()]
+                    for line in handle if line.strip()]
+    except OSError as exc:
+        raise HintError(f"cannot read hint file {path!r}: {exc}") from exc
+    pp = num_stages or len(rows)
+    if len(rows) != pp:
+        raise HintError(f"hint file {path!r} has {len(rows)} rows but the pipeline has {pp} stages; one row per rank")
+    orders, kinds_seen = [], set()
+    for rank, row in enumerate(rows):
+        order = []
+        for cell in row:
+            if cell.upper() in ("NONE", "") or any(comm in cell for comm in _PIPELINING_COMM):
+                continue
+            match = _PIPELINING_ACTION.match(cell)
+            if match is None or match.group(2) not in _PIPELINING_KINDS:
+                raise HintError(f"hint file {path!r}, rank {rank}: unknown action {cell!r} "
+                                "(expected e.g. 0F0, 1I2, 0W1 or 0B3)")
+            stage, kind, mb = int(match.group(1)), match.group(2), int(match.group(3))
+            if stage % pp != rank:
+                raise HintError(f"hint file {path!r}, rank {rank}: action {cell!r} belongs to stage {stage}, which "
+                                f"Megatron places on rank {stage % pp}; only loop placement is supported")
+            kinds_seen.add(kind)
+            order.append(Task(_PIPELINING_KINDS[kind], mb, stage // pp))
+        orders.append(order)
+    if "B" in kinds_seen and kinds_seen & {"I", "W"}:
+        raise HintError(f"hint file {path!r} mixes full backwards (B) with split ones (I/W); use one form")
+    return OrderedHint(os.path.basename(path), orders)
+
+
 def make_hint(spec: "str | Hint") -> Hint:
     if isinstance(spec, Hint):
         return spec
@@ -184,10 +229,10 @@ def make_hint(spec: "str | Hint") -> Hint:
     if spec in ("1f1b", "gpipe"):
         return OrderedHint(spec)
     if isinstance(spec, str) and os.path.isfile(spec):
-        return load_hint_file(spec)
+        return load_pipelining_csv(spec) if spec.lower().endswith(".csv") else load_hint_file(spec)
     raise HintError(
         f"unknown hint {spec!r} (option hint= / --rrfp-hint): use one of "
-        f"{', '.join(BUILTIN_HINTS)} or the path of a JSON hint file"
+        f"{', '.join(BUILTIN_HINTS)}, or the path of a JSON hint file or a torch.distributed.pipelining CSV"
     )
 
 

@@ -98,3 +98,17 @@ def test_unresponsive_or_dead_peer_fails_fast_with_a_diagnosis(tmp_path, mode):
     assert seen["seconds"] < 12.0, seen  # timeout 3 s (hang) or the transport error (kill)
     assert "rank 0 (pipeline stage 0)" in seen["message"] and "arbiter:" in seen["message"]
     assert "ready:" in seen["message"] and "dispatched:" in seen["message"]
+
+
+@pytest.mark.timeout(300)
+def test_hint_file_running_forwards_out_of_microbatch_order_feeds_each_its_own_data(tmp_path):
+    # Stage 0 runs F1 before F0 (and F3 before F2): Megatron's iterators are sequential,
+    # so the executor must still give every microbatch its own batch.
+    hint = tmp_path / "swapped.json"
+    hint.write_text(json.dumps({"stages": ["0F1,0F0,0F3,0F2,0B0,0B1,0B2,0B3",
+                                           "0F0,0B0,0F1,0B1,0F2,0B2,0F3,0B3"]}))
+    results = launch(run_cases, world_size=2, timeout=240,
+                     args=([Case(model="gpt", num_microbatches=4, hint=str(hint), strict=True,
+                                 max_task_delay_s=0.0)],))
+    _check(results)
+    assert results[0][0]["orders"][0].startswith("0F1,0F0")

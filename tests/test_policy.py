@@ -207,3 +207,42 @@ def test_strict_list_that_cannot_complete_is_reported_not_hung():
     realization = sample_realization(Variability(), topology, 2, seed=0)
     with pytest.raises(DeadlockError, match="stalled"):
         simulate(ArbiterConfig(hint=OrderedHint("cyclic", orders), strict=True), topology, 2, realization)
+
+
+def test_torch_pipelining_csv_hint_round_trip(tmp_path):
+    # an interleaved 1F1B-like CSV for PP=2, 2 chunks (stages 0..3 in loop placement), with comm actions
+    from megatron_rrfp.hints import load_pipelining_csv
+
+    topology, m = Topology(2, 2), 2
+    rows = []
+    for stage in range(2):
+        order = megatron_1f1b_order(stage, topology, m)
+        cells = [f"{t.chunk * 2 + stage}{t.kind.value}{t.microbatch}" for t in order]
+        rows.append(",".join(cells[:1] + [f"{stage}SEND_F0"] + cells[1:]))
+    path = tmp_path / "interleaved.csv"
+    path.write_text("\n".join(rows) + "\n")
+    hint = load_pipelining_csv(str(path))
+    realization = sample_realization(Variability(sigma_compute=0.4), topology, m, seed=4)
+    result = simulate(ArbiterConfig(hint=str(path), strict=True), topology, m, realization)
+    assert result.orders == [megatron_1f1b_order(s, topology, m) for s in range(2)]
+    assert not hint.split_backward
+
+
+def test_pipelining_csv_with_split_backward_and_errors(tmp_path):
+    zb = tmp_path / "zb.csv"
+    zb.write_text("0F0,0F1,0I0,0I1,0W0,0W1\n1F0,1I0,1W0,1F1,1I1,1W1\n")
+    result = simulate(ArbiterConfig(hint=str(zb)), Topology(2), 2,
+                      sample_realization(Variability(), Topology(2), 2, seed=0))
+    assert any(t.kind is Kind.W for t in result.orders[0])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0X0\n1F0\n")
+    with pytest.raises(HintError, match="unknown action '0X0'"):
+        make_hint(str(bad))
+    v_shape = tmp_path / "v.csv"
+    v_shape.write_text("0F0,3F0\n1F0,2F0\n")  # ZBV places stage 3 on rank 0
+    with pytest.raises(HintError, match="only loop placement"):
+        make_hint(str(v_shape))
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text("0F0,0B0,0I1\n1F0\n")
+    with pytest.raises(HintError, match="mixes full backwards"):
+        make_hint(str(mixed))
