@@ -58,6 +58,8 @@ class BenchConfig:
     images_per_sample: float = 0.0
     encoder_time_per_image: float = 0.0
     """Extra stage-0 time per image, in units of f0 (multimodal imbalance)."""
+    image_token_share: float = 0.0
+    """Average share of decoder tokens that are image tokens: work on every stage scales with images."""
     iterations: int = 5
     warmup: int = 1
     seed: int = 0
@@ -72,6 +74,7 @@ class BenchConfig:
                            straggler_factor=self.straggler_factor, seq_len_sigma=self.seq_len_sigma,
                            images_per_sample=self.images_per_sample,
                            encoder_time_per_image=self.encoder_time_per_image,
+                           image_token_share=self.image_token_share,
                            **VARIABILITY_LEVELS[self.variability])
 
     def validate(self) -> None:

@@ -43,6 +43,10 @@ class Variability:
     """Mean of Poisson images per microbatch (multimodal); each adds encoder time on stage 0."""
     encoder_time_per_image: float = 0.0
     """Extra stage-0 forward time per image, in units of f0 (backward: backward_ratio x)."""
+    image_token_share: float = 0.0
+    """Average share of decoder tokens that are image tokens (LLaVA-style: each image adds
+    tokens to the sequence): every stage's work for microbatch j scales with
+    (1 - share) + share * n_j / mean(n), n_j its images."""
     c50: float = 0.0
     """Median message latency, in units of f0 (0.1 = the paper's reference)."""
     sigma_msg: float = 0.0
@@ -56,6 +60,8 @@ class Variability:
                      "c50", "sigma_msg"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.image_token_share < 1:
+            raise ValueError(f"image_token_share must be in [0, 1), got {self.image_token_share}")
 
 
 REFERENCE_J3 = dict(sigma_compute=0.3, c50=0.1, sigma_msg=1.5)
@@ -97,8 +103,13 @@ def sample_realization(variability: Variability, topology: Topology, num_microba
             raise ValueError(f"straggler_stage {v.straggler_stage} outside 0..{pp - 1}")
         forward[v.straggler_stage] *= v.straggler_factor
         backward[v.straggler_stage] *= v.straggler_factor
-    if v.images_per_sample and v.encoder_time_per_image:
-        encoder = v.encoder_time_per_image * v.f0 * rng.poisson(v.images_per_sample, m)
+    if v.images_per_sample:
+        images = rng.poisson(v.images_per_sample, m)
+        if v.image_token_share:
+            tokens = (1 - v.image_token_share) + v.image_token_share * images / v.images_per_sample
+            forward *= tokens
+            backward *= tokens
+        encoder = v.encoder_time_per_image * v.f0 * images
         forward[0, 0] += encoder
         backward[0, 0] += v.backward_ratio * encoder
     latency = (lambda: v.c50 * v.f0 * rng.lognormal(0.0, v.sigma_msg, shape)) if v.c50 else (lambda: np.zeros(shape))
