@@ -36,6 +36,8 @@ class StageWork(Protocol):
     def backward(self, task: Task, output_grad: Optional[torch.Tensor],
                  send: Optional[Callable[[torch.Tensor], None]]) -> None: ...
 
+    def weight(self, task: Task) -> None: ...
+
 
 class Inbox:
     """Thread-safe mailbox between transport threads and the compute loop."""
@@ -209,8 +211,10 @@ class PipelineIteration:
             send = None if upstream is None else self._sender("gradient", mb, upstream)
             self.backwards_left -= 1
             self.work.backward(task, self.gradients.pop((mb, chunk), None), send)
+            if self.arbiter.split_backward:
+                self.ready.add(Task(Kind.W, mb, chunk))  # its weight gradients may now run
         else:
-            raise NotImplementedError(f"task kind {task.kind} is not executable by this runtime yet")
+            self.work.weight(task)
         end = time.time()
         self.report.compute_s += end - start
         self._span(str(task), task.kind.value, start, end)

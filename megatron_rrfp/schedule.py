@@ -186,6 +186,7 @@ class MegatronStageWork:
         self.grad_sync = grad_sync
         self.model_type = adapter.model_type(models[0])
         self.saved: dict[tuple[int, int], tuple[list, list]] = {}
+        self.wgrad_store = None  # set when the hint splits the backward (BFW)
         self.outputs: dict[int, list] = {}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=adapter.pipeline_device())
         self._forwards_run = [0] * len(models)
@@ -218,11 +219,21 @@ class MegatronStageWork:
 
     def backward(self, task: Task, output_grad, send) -> None:
         inputs, output = self.saved.pop((task.microbatch, task.chunk))
+        if self.wgrad_store is not None:  # B of a split backward: input gradients only
+            with self.wgrad_store.deferring((task.microbatch, task.chunk)):
+                input_grad = adapter.backward_step(inputs, output, [output_grad], self.model_type, self.config)
+            if send is not None:
+                send(input_grad[0])
+            return
         self.grad_sync.before_backward(task.chunk)  # the chunk's last backward may reduce
         input_grad = adapter.backward_step(inputs, output, [output_grad], self.model_type, self.config)
         if send is not None:
             send(input_grad[0])
         self.grad_sync.after_backward(task.chunk)
+
+    def weight(self, task: Task) -> None:
+        """W of a split backward: the deferred weight gradients of one microbatch."""
+        self.wgrad_store.run((task.microbatch, task.chunk))
 
     def losses_in_microbatch_order(self) -> list:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
@@ -294,9 +305,9 @@ def forward_backward_rrfp(
     topology = Topology(len(pp_ranks), len(models))
     arbiter = Arbiter(make_arbiter_config(options), stage=stage, topology=topology,
                       num_microbatches=num_microbatches, forward_only=forward_only)
+    wgrad_store = None
     if arbiter.split_backward:
-        raise ValueError(f"megatron_rrfp: hint {arbiter.hint.name!r} splits the backward into B and W, which this "
-                         "release does not execute yet; use hint='bf'")
+        wgrad_store = _weight_grad_store(config, models)
     runtime = _runtime(pp_ranks, groups.agreement_ranks, adapter.pipeline_device(), options.timeout_s)
     transport = runtime.transport_for(options.message_delay)
     agreement = None
@@ -320,6 +331,7 @@ def forward_backward_rrfp(
         num_microbatches=num_microbatches, config=config, topology=topology, stage=stage,
         cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, grad_sync=grad_sync)
+    work.wgrad_store = wgrad_store
     iteration = PipelineIteration(
         work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks, transport=transport,
         inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s, forward_only=forward_only,
@@ -335,6 +347,24 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()
+
+
+def _weight_grad_store(config, models):
+    """BFW: weight gradients are deferred to W tasks, so gradient reductions must wait for
+    the last W — DDP's overlapped reduction (triggered by grad hooks during backward) would
+    fire before them."""
+    from . import wgrad
+
+    if getattr(config, "grad_sync_func", None) is not None or _overlaps_grad_reduce(models):
+        raise ValueError("megatron_rrfp: hint 'bfw' defers weight gradients past the backward pass, which "
+                         "overlapped gradient reduction (--overlap-grad-reduce / grad_sync_func) cannot wait "
+                         "for; disable overlap_grad_reduce or use hint='bf'")
+    wgrad.install(models)
+    return wgrad.WeightGradStore()
+
+
+def _overlaps_grad_reduce(models) -> bool:
+    return any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in models)
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,

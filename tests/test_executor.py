@@ -83,7 +83,6 @@ def test_routing_timers_and_bad_options_naming_the_option():
     assert "buffer_limit" in messages["buffer_limit"]
     assert "unknown hint 'zigzag'" in messages["hint"] and "--rrfp-hint" in messages["hint"]
     assert "timeout_s" in messages["timeout"]
-    assert "bfw" in messages["bfw"]
 
 
 @pytest.mark.timeout(200)

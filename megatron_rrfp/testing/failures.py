@@ -46,7 +46,6 @@ def api_contract() -> dict:
         "buffer_limit": dict(buffer_limit=0),
         "hint": dict(hint="zigzag"),
         "timeout": dict(timeout_s=-1),
-        "bfw": dict(hint="bfw"),
     }
     for name, kwargs in attempts.items():
         model.config.overlap_p2p_comm = name == "overlap_p2p_comm"
