@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_bench(sub)
+    from .goodput_cli import add_goodput_parser; add_goodput_parser(sub)  # noqa: E702
     return parser
 
 
