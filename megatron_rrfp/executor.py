@@ -85,6 +85,7 @@ class IterationReport:
     agree_rounds: int = 0
     flush_s: float = 0.0  # waiting for the last sends to be taken by the peers
     peak_in_flight: int = 0
+    peak_deferred_wgrad_bytes: int = 0  # BFW: activations/grads held for deferred W tasks
     spans: list[Span] = field(default_factory=list)
 
     @property

@@ -307,7 +307,7 @@ def forward_backward_rrfp(
                       num_microbatches=num_microbatches, forward_only=forward_only)
     wgrad_store = None
     if arbiter.split_backward:
-        wgrad_store = _weight_grad_store(config, models)
+        wgrad_store = _weight_grad_store(models)
     runtime = _runtime(pp_ranks, groups.agreement_ranks, adapter.pipeline_device(), options.timeout_s)
     transport = runtime.transport_for(options.message_delay)
     agreement = None
@@ -337,6 +337,8 @@ def forward_backward_rrfp(
         inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s, forward_only=forward_only,
         record_spans=options.record_spans, task_delay=options.task_delay)
     report = iteration.run()
+    if wgrad_store is not None:
+        report.peak_deferred_wgrad_bytes = wgrad_store.peak_pending_bytes
     _last_reports[:] = [report]
 
     grad_sync.finish()
@@ -349,22 +351,15 @@ def forward_backward_rrfp(
     return work.losses_in_microbatch_order()
 
 
-def _weight_grad_store(config, models):
-    """BFW: weight gradients are deferred to W tasks, so gradient reductions must wait for
-    the last W — DDP's overlapped reduction (triggered by grad hooks during backward) would
-    fire before them."""
+def _weight_grad_store(models):
+    """BFW: weight gradients are deferred to W tasks. Gradient reductions stay off (no_sync)
+    through every B and W — the split backward never calls the grad-sync hooks — and run
+    after the last W (GradSyncController.finish, then finalize_model_grads), so with
+    overlap_grad_reduce the reduction is not overlapped with backward compute."""
     from . import wgrad
 
-    if getattr(config, "grad_sync_func", None) is not None or _overlaps_grad_reduce(models):
-        raise ValueError("megatron_rrfp: hint 'bfw' defers weight gradients past the backward pass, which "
-                         "overlapped gradient reduction (--overlap-grad-reduce / grad_sync_func) cannot wait "
-                         "for; disable overlap_grad_reduce or use hint='bf'")
     wgrad.install(models)
     return wgrad.WeightGradStore()
-
-
-def _overlaps_grad_reduce(models) -> bool:
-    return any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in models)
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,

@@ -36,11 +36,14 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
         Case(model="gpt", iterations=50, num_microbatches=6, max_task_delay_s=0.004),
         Case(model="mlp", iterations=3),
         Case(model="gpt", iterations=2, forward_only=True),
+        Case(model="gpt", iterations=3, hint="bfw"),
     ]
     results = launch(run_cases, world_size=2, timeout=360, args=(cases,))
-    _check([r[:2] for r in results])
-    _check([r[2:] for r in results], expect_reordering=False)  # eval: forwards only, order is free anyway
+    _check([r[:2] + r[3:] for r in results])
+    _check([r[2:3] for r in results], expect_reordering=False)  # eval: forwards only, order is free anyway
     last = results[1]
+    assert all(r[3]["peak_deferred_wgrad_bytes"] > 0 for r in results)  # BFW really deferred W
+    assert any("W" in order for r in results for order in r[3]["orders"])
     assert len(last[0]["losses_rrfp"]) == 50 and last[0]["losses_rrfp"][-1] < last[0]["losses_rrfp"][0]
 
 
@@ -53,7 +56,8 @@ def test_pp4_gpt_and_mlp():
 
 @pytest.mark.timeout(400)
 def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
-    cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1)]
+    cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
+             Case(model="gpt", iterations=2, hint="bfw", late_rank=3)]
     results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
     _check(results)
 
@@ -61,7 +65,8 @@ def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
 @pytest.mark.timeout(400)
 def test_dp2_pp2_with_megatron_ddp_and_finalize():
     results = launch(run_cases, world_size=4, pp=2, timeout=360,
-                     args=([Case(model="gpt", iterations=3), Case(model="mlp", iterations=2)],))
+                     args=([Case(model="gpt", iterations=3), Case(model="mlp", iterations=2),
+                            Case(model="gpt", iterations=2, hint="bfw")],))
     _check(results)
 
 

@@ -133,7 +133,7 @@ def compare_with_megatron(case: Case) -> dict:
     topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
     loss_err = grad_err = 0.0
-    losses_ref, losses_rrfp, orders = [], [], []
+    losses_ref, losses_rrfp, orders, wgrad_bytes = [], [], [], 0
     for iteration in range(case.iterations):
         results = []
         for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
@@ -145,7 +145,9 @@ def compare_with_megatron(case: Case) -> dict:
                                   micro_batch_size=case.micro_batch_size, forward_only=case.forward_only, **extra)
             results.append((losses, None if case.forward_only else _grads(model)))
         (ref_losses, ref_grads), (our_losses, our_grads) = results
-        orders.append(last_iteration_report().order_string)
+        report = last_iteration_report()
+        orders.append(report.order_string)
+        wgrad_bytes = max(wgrad_bytes, report.peak_deferred_wgrad_bytes)
         if len(ref_losses) != len(our_losses):
             raise AssertionError(f"rank {rank}: {len(our_losses)} losses vs megatron's {len(ref_losses)}")
         for a, b in zip(ref_losses, our_losses):
@@ -164,6 +166,7 @@ def compare_with_megatron(case: Case) -> dict:
         "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
+        "peak_deferred_wgrad_bytes": wgrad_bytes,
     }
 
 
