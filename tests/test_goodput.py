@@ -563,8 +563,7 @@ def test_locked_database_is_retried_without_blocking_and_small_queue_drops(tmp_p
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         costs = run_training_loop(writer, range(50))
-        time.sleep(2.5)  # the first insert waits out the busy timeout and fails
-        assert not writer.healthy
+        assert wait_until(lambda: not writer.healthy), "the insert should fail after the 2 s busy timeout"
         costs += run_training_loop(writer, range(50, 1050))  # more than the queue + pending can hold
         blocker.execute("ROLLBACK")
         blocker.close()
