@@ -29,7 +29,8 @@ VARIABILITY_LEVELS = {
     "j2": dict(sigma_compute=0.2, c50=0.05, sigma_msg=1.0),
     "j3": dict(sigma_compute=0.3, c50=0.1, sigma_msg=1.5),  # the paper's reference scenario
 }
-SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf")
+SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf", "rrfp-bfw")
+DEFAULT_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf")
 _SIM_POLICY = {"megatron-1f1b": "1f1b-strict", "rrfp-strict": "1f1b-strict", "rrfp-bf": "bf", "rrfp-bfw": "bfw"}
 
 
@@ -46,8 +47,8 @@ class BenchConfig:
     micro_batch_size: int = 2
     seq_length: int = 32
     hidden_size: int = 32
-    schedules: Sequence[str] = SCHEDULES
-    """megatron-1f1b (the reference), rrfp-strict (1F1B order in RRFP's runtime), rrfp-bf."""
+    schedules: Sequence[str] = DEFAULT_SCHEDULES
+    """megatron-1f1b (the reference), rrfp-strict (1F1B order in RRFP's runtime), rrfp-bf, rrfp-bfw."""
     variability: str = "j3"
     """j0..j3 (see VARIABILITY_LEVELS)."""
     f0_ms: float = 50.0
@@ -148,6 +149,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                                              seed=config.seed * 100_003 + iteration)
             for p in stage.parameters():
                 p.grad = None
+            emulator.split_backward = schedule == "rrfp-bfw"
             emulator.begin_iteration(realization)
             kwargs = dict(forward_step_func=forward_step, data_iterator=data(iteration), model=stage,
                           num_microbatches=config.num_microbatches, seq_length=config.seq_length,

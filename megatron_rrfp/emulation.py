@@ -108,6 +108,18 @@ class DeviceTimeEmulator:
                 emulator._received[1] += 1
             return result
 
+        from . import wgrad
+
+        run_weight = wgrad.WeightGradStore.run
+
+        @functools.wraps(run_weight)
+        def emulated_weight(store, key):  # W of a split backward (BFW): the other half of B's time
+            start = time.time()
+            emulator._sleep(Task(Kind.W, key[0], key[1]))
+            run_weight(store, key)
+            emulator._span(Task(Kind.W, key[0], key[1]), start, time.time())
+
+        wgrad.WeightGradStore.run = emulated_weight
         schedules.forward_step = emulated_forward_step
         schedules.backward_step = emulated_backward_step
         p2p_communication.P2PCommunicator._communicate = emulated_communicate
