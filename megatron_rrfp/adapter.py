@@ -307,3 +307,272 @@ def pipeline_parallel_size(schedule_pg_collection=None) -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+# --------------------------------------------------------------------------- Megatron-LM hooks
+#
+# megatron_rrfp.integration attaches to Megatron-LM (megatron.training) without editing it.
+# Where each hook attaches, by release (checked against the core_v0.16.1 and core_v0.19.0
+# tags of Megatron-LM):
+#   add_megatron_arguments     megatron.training.arguments, 0.15 - 0.19. parse_args() looks
+#                              it up as a module global at call time, so a wrapper there is
+#                              seen and the entry script's extra_args_provider stays free.
+#   get_forward_backward_func  defined in megatron.core.pipeline_parallel.schedules and
+#                              re-exported by megatron.core.pipeline_parallel. Bound *by name*
+#                              at import time in megatron.training.training (also
+#                              megatron.rl.rl_utils, megatron.post_training.generate), so the
+#                              integration rebinds every loaded module that holds Megatron's
+#                              function (rebind_loaded). 0.19 adds the keyword
+#                              schedule_pg_collection=; a MultiModuleProcessGroupCollection
+#                              there selects Megatron's multi-module bridge schedule.
+#   initialize_megatron        megatron.training.initialize, bound by name in
+#                              megatron.training and megatron.training.training (0.15 - 0.19);
+#                              asserts CUDA unless allow_no_cuda=True.
+#   fused kernels              megatron.legacy.fused_kernels.load, built by
+#                              initialize._compile_dependencies (<= 0.16; 0.19 has no
+#                              megatron.legacy and builds none).
+
+import functools  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+_ARGUMENTS_MODULE = "megatron.training.arguments"
+_SCHEDULE_LOOKUP_MODULES = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules")
+_INITIALIZE_MODULE = "megatron.training.initialize"
+_FUSED_KERNELS_MODULE = "megatron.legacy.fused_kernels"  # <= 0.16 only
+
+
+def megatron_arguments_module() -> Optional[types.ModuleType]:
+    """megatron.training.arguments, or None on a megatron-core-only install (e.g. the
+    0.16.1 wheel) where Megatron-LM's training package is absent. A training package
+    that is there but fails to import (a missing dependency) raises as usual."""
+    try:
+        return importlib.import_module(_ARGUMENTS_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("megatron", "megatron.training", _ARGUMENTS_MODULE):
+            return None
+        raise
+
+
+def schedule_lookup_modules() -> list[types.ModuleType]:
+    """Modules whose ``get_forward_backward_func`` is Megatron's schedule lookup."""
+    return [importlib.import_module(name) for name in _SCHEDULE_LOOKUP_MODULES]
+
+
+def megatron_schedule_lookup():
+    """Megatron's own ``get_forward_backward_func`` (the function object, as defined)."""
+    return _schedules().get_forward_backward_func
+
+
+def rebind_loaded(name: str, old, new, *, exclude: tuple = ()) -> list[types.ModuleType]:
+    """Set ``module.<name> = new`` in every loaded module whose ``<name>`` is ``old``.
+
+    Needed because Megatron-LM binds some functions by name at import time (``from ...
+    import get_forward_backward_func``); replacing only the defining module would miss
+    those copies. Identity comparison, so nothing else is touched; ``exclude`` names
+    modules to leave alone (the one defining ``old`` itself). Returns the modules.
+    """
+    rebound = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name in exclude:
+            continue
+        # The module's own namespace only: getattr could run a lazy module __getattr__.
+        if isinstance(module, types.ModuleType) and vars(module).get(name) is old:
+            setattr(module, name, new)
+            rebound.append(module)
+    return rebound
+
+
+def schedule_lookup_pipeline_size(pp_size: Optional[int], vp_size: Optional[int],
+                                  schedule_pg_collection=None) -> int:
+    """The pipeline size Megatron's ``get_forward_backward_func`` would act on.
+
+    Megatron (0.16 - 0.19): if pp_size and vp_size are both None, parallel_state decides;
+    otherwise pp_size is used as given. 0.19 also accepts ``schedule_pg_collection``; a
+    plain ProcessGroupCollection carries the pipeline group, a multi-module one selects a
+    schedule rrfp does not implement (raises rather than silently running 1F1B).
+    """
+    if _is_multi_module_collection(schedule_pg_collection):
+        raise ValueError("megatron_rrfp: a multi-module (MultiModuleProcessGroupCollection) pipeline was passed to "
+                         "get_forward_backward_func; rrfp does not run multi-module bridge schedules yet: use "
+                         "--pipeline-schedule 1f1b for this model")
+    if pp_size is not None:
+        return pp_size
+    return pipeline_parallel_size(schedule_pg_collection)
+
+
+def _is_multi_module_collection(collection) -> bool:
+    if collection is None:
+        return False
+    try:  # 0.19+
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+    except ImportError:
+        return False
+    return isinstance(collection, MultiModuleProcessGroupCollection)
+
+
+# --------------------------------------------------------------------------- CPU training (launcher --cpu)
+#
+# Megatron-LM's training loop (megatron.training) assumes a CUDA device everywhere: it sets
+# the device, seeds CUDA RNG, times with CUDA events, builds tensors with device="cuda" or
+# .cuda(), and only initialises model parallelism when torch.cuda.device_count() > 0.
+# `python -m megatron_rrfp.launch --cpu` makes an unmodified entry script train on CPU over
+# gloo by redirecting those calls *process-wide*: unlike the per-module reference
+# redirects above, every megatron.training module and lazily imported helper would need
+# them, and the launcher's process runs nothing else. One-way on purpose: there is no
+# disable (the process has no CUDA to go back to).
+#   torch.cuda.device_count() -> 1        Megatron-LM then initialises model parallelism
+#   current_device / set_device           "cpu" / no-op (device= arguments become CPU)
+#   synchronize, streams, events          no-ops; Event times with perf_counter
+#   CUDA RNG (manual_seed, get/set_rng_state)  the CPU generator (fork() is a no-op above,
+#                                         so dropout draws from it)
+#   memory statistics, empty_cache        0 / no-op
+#   torch.<factory>(device="cuda"), Tensor.cuda(), Module.cuda()   stay on CPU
+#   initialize_megatron                   called with allow_no_cuda=True
+#   fused kernels (<= 0.16)               not built (torch fallbacks are used; pass the
+#                                         --no-*-fusion flags)
+
+_cpu_training = False
+
+
+def enable_cpu_training() -> bool:
+    """Make Megatron-LM's CUDA assumptions run on CPU (see the section comment).
+
+    Process-wide and idempotent; returns False (and changes nothing) when CUDA is
+    available. Call before the entry script runs; megatron.training hooks apply only if
+    megatron.training is importable.
+    """
+    global _cpu_training
+    if torch.cuda.is_available():
+        return False
+    if _cpu_training:
+        return True
+    enable_cpu_reference_schedules()
+    _redirect_torch_cuda()
+    _redirect_factories()
+    if megatron_arguments_module() is not None:
+        _initialize_without_cuda()
+        _skip_fused_kernels()
+    _cpu_training = True
+    return True
+
+
+class _CpuStream:
+    """A CUDA stream stand-in: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        event = event or _CpuEvent()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CpuEvent:
+    """A CUDA event stand-in; elapsed_time in milliseconds, like CUDA's."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._t - self._t) * 1000.0
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_seed(seed) -> None:
+    torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls back into cuda
+
+
+def _redirect_torch_cuda() -> None:
+    cuda = torch.cuda
+    stream = _CpuStream()
+    redirects = {
+        "device_count": lambda: 1,
+        "current_device": lambda: "cpu",
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "Stream": _CpuStream,
+        "Event": _CpuEvent,
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "set_stream": lambda s: None,
+        "empty_cache": lambda: None,
+        "manual_seed": _cpu_seed,
+        "manual_seed_all": _cpu_seed,
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "memory_stats": lambda device=None: {},
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+    for name, fn in redirects.items():
+        setattr(cuda, name, fn)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+def _redirect_factories() -> None:
+    """torch.zeros(..., device="cuda") and friends build CPU tensors instead."""
+    for name in _FACTORIES:
+        if hasattr(torch, name):
+            setattr(torch, name, _cpu_factory(getattr(torch, name)))
+
+
+def _initialize_without_cuda() -> None:
+    initialize = importlib.import_module(_INITIALIZE_MODULE)
+    original = initialize.initialize_megatron
+    if getattr(original, "_rrfp_cpu", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["allow_no_cuda"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    initialize_megatron._rrfp_cpu = True
+    importlib.import_module("megatron.training.training")  # load the modules that bind it by name
+    rebind_loaded("initialize_megatron", original, initialize_megatron)
+
+
+def _skip_fused_kernels() -> None:
+    try:
+        fused_kernels = importlib.import_module(_FUSED_KERNELS_MODULE)
+    except ImportError:  # 0.19+: nothing is built
+        return
+    fused_kernels.load = lambda args: None
