@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_bench(sub)
     from .goodput_cli import add_goodput_parser; add_goodput_parser(sub)  # noqa: E702
+    from .train import add_train_parser; add_train_parser(sub)  # noqa: E702
     return parser
 
 

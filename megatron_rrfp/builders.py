@@ -1,0 +1,170 @@
+"""The pieces ``megatron-rrfp train`` assembles, each from megatron-core's own parts.
+
+  build_model       GPTModel (local spec) or the multimodal recipe's stage, wrapped in
+                    megatron-core's DistributedDataParallel like Megatron-LM's get_model
+  build_optimizer   get_megatron_optimizer(OptimizerConfig) + OptimizerParamScheduler
+                    (linear warmup, cosine decay to --min-lr, steps = iterations)
+  build_schedule    the forward-backward function: megatron-core's own (1f1b) or
+                    forward_backward_rrfp, with the same keyword arguments
+  build_data        the micro-batch source (see megatron_rrfp.data)
+
+The config hooks are set as Megatron-LM's training loop sets them: ``no_sync_func`` (DDP
+no_sync), ``finalize_model_grads_func`` (DDP finish + embedding/layernorm all-reduces)
+and ``grad_scale_func`` (the optimizer's loss scale).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable
+
+import torch
+
+MULTIMODAL_MISSING = ("--model multimodal needs megatron_rrfp.recipes.multimodal (multimodal_config, "
+                      "MultimodalSpec, build_multimodal_stage, synthetic_multimodal_batches, "
+                      "multimodal_forward_step), which this installation lacks")
+
+
+def multimodal_recipe():
+    """The multimodal recipe module, or a ValueError saying what is missing."""
+    try:
+        recipe = importlib.import_module("megatron_rrfp.recipes.multimodal")
+    except ImportError as exc:
+        raise ValueError(f"{MULTIMODAL_MISSING} ({exc})") from exc
+    names = ("multimodal_config", "MultimodalSpec", "build_multimodal_stage", "synthetic_multimodal_batches",
+             "multimodal_forward_step")
+    missing = [name for name in names if not hasattr(recipe, name)]
+    if missing:
+        raise ValueError(f"{MULTIMODAL_MISSING} (missing: {', '.join(missing)})")
+    return recipe
+
+
+_SPEC_FIELDS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "image_size", "patch_size",
+                "tokens_per_image", "max_images")  # TrainConfig fields named as MultimodalSpec's; None = recipe default
+
+
+def multimodal_spec(cfg):
+    overrides = {"vocab_size": cfg.vocab_size, "seq_length": cfg.seq_length}
+    overrides.update({name: getattr(cfg, name) for name in _SPEC_FIELDS if getattr(cfg, name) is not None})
+    if cfg.vision_hidden_size is not None:
+        overrides["vision_ffn_hidden_size"] = 4 * cfg.vision_hidden_size
+    return multimodal_recipe().MultimodalSpec(**overrides)
+
+
+def transformer_config(cfg):
+    """The decoder's TransformerConfig: the repo's tiny CPU-safe defaults (fp32, no
+    dropout, no fused kernels, CPU initialisation) with the run's sizes."""
+    from . import models
+
+    sizes = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                 ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size)
+    if cfg.model == "multimodal":
+        return multimodal_recipe().multimodal_config(**sizes)
+    return models.tiny_gpt_config(**sizes)
+
+
+def build_model(cfg, device: torch.device):
+    """This rank's stage on ``device``, wrapped in megatron-core DDP; its config hooked."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from . import models
+
+    config = transformer_config(cfg)
+    if cfg.model == "multimodal":
+        recipe = multimodal_recipe()
+        stage = recipe.build_multimodal_stage(config, multimodal_spec(cfg), seed=cfg.seed)
+    else:
+        stage = models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
+    stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+def forward_step_func(cfg) -> Callable:
+    from . import models
+
+    return multimodal_recipe().multimodal_forward_step if cfg.model == "multimodal" else models.gpt_forward_step
+
+
+def build_optimizer(cfg, model):
+    """(optimizer, scheduler): megatron-core's Adam (torch's when TE/apex are absent)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if cfg.cpu:
+        enable_cpu_optimizer()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False),
+        [model])
+    model.config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
+        lr_decay_steps=cfg.train_iters, lr_decay_style="cosine", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def build_schedule(cfg) -> Callable:
+    """forward_backward_func(**megatron's schedule keywords) -> per-microbatch loss dicts."""
+    if cfg.pipeline_schedule == "rrfp":
+        from .options import rrfp_config_from_args
+        from .schedule import forward_backward_rrfp
+
+        return functools.partial(forward_backward_rrfp, rrfp_config=rrfp_config_from_args(cfg))
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def build_data(cfg, *, dp_rank: int, dp_size: int, device: torch.device):
+    from . import data
+
+    common = dict(micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, device=device)
+    if cfg.model == "multimodal":
+        return data.MultimodalStream(multimodal_spec(cfg), seed=cfg.seed, images_per_sample=cfg.images_per_sample,
+                                     **common)
+    if cfg.data_path:
+        return data.TokenFile(cfg.data_path, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, **common)
+    return data.SyntheticTokens(vocab_size=cfg.vocab_size, seed=cfg.seed, seq_length=cfg.seq_length, **common)
+
+
+# --------------------------------------------------------------------------- CPU optimizer
+#
+# adapter.enable_cpu_reference_schedules() covers the schedules, p2p, DDP buffers and
+# GPTModel; megatron-core 0.16.1's optimizer has CUDA literals of its own:
+#   optimizer/optimizer.py   FP32Optimizer._scale = torch.tensor([1.0], device='cuda')
+#   optimizer/clip_grads.py  get_grad_norm_fp32: torch.zeros(1, device='cuda') buffers;
+#                            clip_grad_by_total_norm_fp32 asserts 'torch.cuda.FloatTensor'
+# The first two get the adapter's per-module torch stand-in (cuda -> cpu); the clip,
+# which cannot run on a CPU tensor at all, is replaced in the optimizer module by the
+# same arithmetic without the device assertion. This belongs in adapter.py (its
+# _CPU_REDIRECTED_MODULES) and moves there once that module's owner takes it.
+
+_OPTIMIZER_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads")
+
+
+def enable_cpu_optimizer() -> None:
+    from . import adapter
+
+    if not adapter.enable_cpu_reference_schedules():
+        return  # CUDA is available: nothing to bend
+    for name in _OPTIMIZER_MODULES:
+        module = importlib.import_module(name)
+        if name not in adapter.cpu_redirected_modules() and not isinstance(module.torch, adapter._CpuTorch):
+            module.torch = adapter._CpuTorch()
+    importlib.import_module(_OPTIMIZER_MODULES[0]).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+
+
+@torch.no_grad()
+def _clip_grad_by_total_norm(parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False):
+    """grad *= max_norm / (total_norm + 1e-6) when that is < 1 (megatron-core's rule)."""
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad" if use_decoupled_grad else "grad", None)
+            if grad is not None:
+                grad.mul_(coefficient)
