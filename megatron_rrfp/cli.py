@@ -7,6 +7,23 @@ import sys
 from typing import Optional, Sequence
 
 
+def _add_workload_variability(group) -> None:
+    """Workload knobs shared by `simulate` and `bench` (same names as Variability's fields)."""
+    group.add_argument("--straggler-stage", type=int, default=None, help="stage slowed by --straggler-factor")
+    group.add_argument("--straggler-factor", type=float, default=1.0)
+    group.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread (log-normal)")
+    group.add_argument("--images-per-sample", type=float, default=0.0, help="mean images per microbatch (Poisson)")
+    group.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 encoder time per image, units of f0")
+    group.add_argument("--image-token-share", type=float, default=0.0,
+                       help="average share of decoder tokens that are image tokens (work scales with images)")
+
+
+def _workload_variability(args: argparse.Namespace) -> dict:
+    return dict(straggler_stage=args.straggler_stage, straggler_factor=args.straggler_factor,
+                seq_len_sigma=args.seq_len_sigma, images_per_sample=args.images_per_sample,
+                encoder_time_per_image=args.encoder_time, image_token_share=args.image_token_share)
+
+
 def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of pipeline policies",
                        description="Compare readiness-first policies with strict 1F1B on the same "
@@ -25,11 +42,7 @@ def _add_simulate(sub) -> None:
     v.add_argument("--backward-ratio", type=float, default=2.0, help="B time / F time (default 2)")
     v.add_argument("--c50", type=float, default=0.0, help="median message latency, units of f0")
     v.add_argument("--sigma-msg", type=float, default=0.0, help="log-normal sigma of message latency")
-    v.add_argument("--straggler-stage", type=int, default=None)
-    v.add_argument("--straggler-factor", type=float, default=1.0)
-    v.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread (log-normal sigma)")
-    v.add_argument("--images-per-sample", type=float, default=0.0, help="mean images per microbatch (Poisson)")
-    v.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 encoder time per image, units of f0")
+    _add_workload_variability(v)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--timeline", metavar="PNG", help="draw every policy's timeline for the first seed")
     p.add_argument("--trace", metavar="JSON", help="Chrome/Perfetto trace of the first seed")
@@ -43,10 +56,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     knobs = dict(sigma_compute=args.sigma_compute, c50=args.c50, sigma_msg=args.sigma_msg)
     if args.reference:
         knobs.update(REFERENCE_J3)
-    variability = Variability(
-        backward_ratio=args.backward_ratio, straggler_stage=args.straggler_stage,
-        straggler_factor=args.straggler_factor, seq_len_sigma=args.seq_len_sigma,
-        images_per_sample=args.images_per_sample, encoder_time_per_image=args.encoder_time, **knobs)
+    variability = Variability(backward_ratio=args.backward_ratio, **_workload_variability(args), **knobs)
     config = StudyConfig(pipeline_size=args.pp, num_microbatches=args.microbatches, num_chunks=args.chunks,
                          policies=[p.strip() for p in args.policies.split(",") if p.strip()],
                          buffer_limit=args.buffer_limit, seeds=args.seeds, first_seed=args.first_seed,
@@ -64,7 +74,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from .bench import SCHEDULES, VARIABILITY_LEVELS
+    from .bench import DEFAULT_SCHEDULES, SCHEDULES, VARIABILITY_LEVELS
 
     for name in ("bench", "demo"):
         demo = name == "demo"
@@ -78,15 +88,12 @@ def _add_bench(sub) -> None:
         p.add_argument("--micro-batch-size", type=int, default=2)
         p.add_argument("--seq-length", type=int, default=32)
         p.add_argument("--hidden-size", type=int, default=32)
-        p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+        p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES if demo else SCHEDULES),
+                       help=f"comma list of {', '.join(SCHEDULES)}")
         p.add_argument("--variability", default="j3", choices=list(VARIABILITY_LEVELS),
                        help="j0 none ... j3 = sigma_c 0.3, c50 0.1 f0, sigma_m 1.5 (the paper's reference)")
         p.add_argument("--f0-ms", type=float, default=50.0, help="emulated forward time per stage and microbatch")
-        p.add_argument("--straggler-stage", type=int, default=None)
-        p.add_argument("--straggler-factor", type=float, default=1.0)
-        p.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread")
-        p.add_argument("--images-per-sample", type=float, default=0.0, help="multimodal: mean images (Poisson)")
-        p.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 time per image, units of f0")
+        _add_workload_variability(p)
         p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
         p.add_argument("--warmup", type=int, default=1)
         p.add_argument("--seed", type=int, default=0)
@@ -106,11 +113,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         model=args.model, pipeline_size=args.pp, tensor_parallel=args.tp, data_parallel=args.dp,
         num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
-        variability=args.variability, f0_ms=args.f0_ms, straggler_stage=args.straggler_stage,
-        straggler_factor=args.straggler_factor, seq_len_sigma=args.seq_len_sigma,
-        images_per_sample=args.images_per_sample, encoder_time_per_image=args.encoder_time,
-        iterations=args.iterations, warmup=args.warmup, seed=args.seed, buffer_limit=args.buffer_limit,
-        out_dir=args.out, timeout_s=args.timeout)
+        variability=args.variability, f0_ms=args.f0_ms, **_workload_variability(args),
+        iterations=args.iterations, warmup=args.warmup,
+        seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout)
     report = run_bench(config)
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
@@ -125,8 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_bench(sub)
-    from .goodput_cli import add_goodput_parser; add_goodput_parser(sub)  # noqa: E702
-    from .train import add_train_parser; add_train_parser(sub)  # noqa: E702
+    from .goodput_cli import add_goodput_parser
+    from .train import add_train_parser
+
+    add_goodput_parser(sub)
+    add_train_parser(sub)
     return parser
 
 
