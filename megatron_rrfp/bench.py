@@ -31,6 +31,8 @@ VARIABILITY_LEVELS = {
 }
 SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf", "rrfp-bfw")
 DEFAULT_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf")
+# Per-rank seconds per iteration measured by RRFP's executor (executor.IterationReport).
+BREAKDOWN = ("compute_s", "wait_s", "backpressure_s", "agree_s", "flush_s", "wall_s")
 _SIM_POLICY = {"megatron-1f1b": "1f1b-strict", "rrfp-strict": "1f1b-strict", "rrfp-bf": "bf", "rrfp-bfw": "bfw"}
 
 
@@ -143,7 +145,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     total = len(config.schedules) * (config.warmup + config.iterations)
     done = 0
     for schedule in config.schedules:
-        walls, busy, spans = [], [], []
+        walls, busy, spans, breakdowns = [], [], [], []
         for iteration in range(config.warmup + config.iterations):
             realization = sample_realization(variability, topology, config.num_microbatches,
                                              seed=config.seed * 100_003 + iteration)
@@ -159,13 +161,16 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             if schedule == "megatron-1f1b":
                 forward_backward_pipelining_without_interleaving(**kwargs)
                 own_spans = list(emulator.spans)
+                breakdown = None
             else:
                 options = RRFPConfig(hint="1f1b" if schedule == "rrfp-strict" else schedule.split("-", 1)[1],
                                      strict=schedule == "rrfp-strict", buffer_limit=config.buffer_limit,
                                      timeout_s=config.timeout_s, record_spans=True,
                                      message_delay=emulator.message_delay if variability.c50 else None)
                 forward_backward_rrfp(rrfp_config=options, **kwargs)
-                own_spans = last_iteration_report().spans
+                report = last_iteration_report()
+                own_spans = report.spans
+                breakdown = {name: getattr(report, name) for name in BREAKDOWN}
             wall = torch.tensor([time.time() - start], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
@@ -175,12 +180,15 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                 walls.append(float(wall))
                 busy.append(float(busy_total))
                 spans = own_spans
+                if breakdown is not None:
+                    breakdowns.append(breakdown)
             done += 1
             if progress_path and rank == 0:
                 with open(progress_path, "a", encoding="utf-8") as handle:
                     handle.write(f"{done} {total} {schedule}\n")
-        results["runs"][schedule] = {"walls": walls, "busy": busy,
-                                     "spans": [asdict(s) for s in spans]}
+        results["runs"][schedule] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
+                                     "breakdown": {name: statistics.median(b[name] for b in breakdowns)
+                                                   for name in BREAKDOWN} if breakdowns else None}
     from .schedule import shutdown
 
     shutdown()
@@ -297,8 +305,18 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
             "tokens_per_s": tokens / median,
             "simulated_iteration_time_s": statistics.median(sims[_SIM_POLICY[schedule]]),
             "simulated_speedup": sim_base / statistics.median(sims[_SIM_POLICY[schedule]]),
+            "breakdown_s": _across_ranks([r["runs"][schedule]["breakdown"] for r in per_rank]),
         })
     return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks, "runs": runs}
+
+
+def _across_ranks(per_rank: list) -> Optional[dict]:
+    """{metric: {min, median, max}} over ranks of each rank's median per iteration: compute
+    (F/B/W), wait (bubble: blocked on readiness), backpressure, agree (TP), flush (last sends)."""
+    if not per_rank or per_rank[0] is None:
+        return None
+    return {name: {"min": min(r[name] for r in per_rank), "median": statistics.median(r[name] for r in per_rank),
+                   "max": max(r[name] for r in per_rank)} for name in BREAKDOWN}
 
 
 def _quantile(values: list[float], q: float) -> float:
