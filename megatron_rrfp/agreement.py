@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .actions import Kind, Task, all_tasks
+from .actions import Task, all_tasks
 
 _DIGEST_WORDS = 2  # dispatched count, rolling hash of the dispatched sequence
 
@@ -34,7 +34,8 @@ class AgreementError(RuntimeError):
     """TP ranks diverged (a bug or a mismatched configuration): never silently continue."""
 
 
-def create_agreement_groups(my_group_ranks: Sequence[int], *, timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
+def create_agreement_groups(my_group_ranks: Sequence[int], *,
+                            timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
     """Collective over the world: one gloo group per distinct TP(xCP) group. Returns ours,
     or None when our group has a single rank (nothing to agree on)."""
     gathered: list = [None] * dist.get_world_size()
@@ -111,4 +112,4 @@ class TPAgreement:
             # else: we hold everything anyone holds; block in the next collective instead
 
 
-__all__ = ["AgreementError", "TPAgreement", "create_agreement_groups", "Kind"]
+__all__ = ["AgreementError", "TPAgreement", "create_agreement_groups"]

@@ -17,7 +17,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
 from .simulator import Variability
@@ -55,14 +55,9 @@ class BenchConfig:
     """j0..j3 (see VARIABILITY_LEVELS)."""
     f0_ms: float = 50.0
     """Emulated forward time of one stage per microbatch; backward is 2x."""
-    straggler_stage: Optional[int] = None
-    straggler_factor: float = 1.0
-    seq_len_sigma: float = 0.0
-    images_per_sample: float = 0.0
-    encoder_time_per_image: float = 0.0
-    """Extra stage-0 time per image, in units of f0 (multimodal imbalance)."""
-    image_token_share: float = 0.0
-    """Average share of decoder tokens that are image tokens: work on every stage scales with images."""
+    workload: Variability = field(default_factory=Variability)
+    """Workload shape (straggler, sequence lengths, images per sample...); its f0 and jitter
+    fields are replaced by ``f0_ms`` and the ``variability`` level."""
     iterations: int = 5
     warmup: int = 1
     seed: int = 0
@@ -73,12 +68,8 @@ class BenchConfig:
     def variability_model(self) -> Variability:
         if self.variability not in VARIABILITY_LEVELS:
             raise ValueError(f"--variability {self.variability!r}: choose one of {', '.join(VARIABILITY_LEVELS)}")
-        return Variability(f0=self.f0_ms / 1000.0, straggler_stage=self.straggler_stage,
-                           straggler_factor=self.straggler_factor, seq_len_sigma=self.seq_len_sigma,
-                           images_per_sample=self.images_per_sample,
-                           encoder_time_per_image=self.encoder_time_per_image,
-                           image_token_share=self.image_token_share,
-                           **VARIABILITY_LEVELS[self.variability])
+        jitter = {"sigma_compute": 0.0, "c50": 0.0, "sigma_msg": 0.0, **VARIABILITY_LEVELS[self.variability]}
+        return replace(self.workload, f0=self.f0_ms / 1000.0, **jitter)
 
     def validate(self) -> None:
         self.variability_model()
@@ -113,8 +104,9 @@ def _build_stage(config: BenchConfig):
     stage = multimodal.build_multimodal_stage(tconfig, spec, seed=config.seed)
 
     def data(seed: int):
-        return multimodal.synthetic_multimodal_batches(spec, seed=seed, micro_batch_size=config.micro_batch_size,
-                                                       images_per_sample_mean=max(config.images_per_sample, 1.0))
+        return multimodal.synthetic_multimodal_batches(
+            spec, seed=seed, micro_batch_size=config.micro_batch_size,
+            images_per_sample_mean=max(config.workload.images_per_sample, 1.0))
     return stage, multimodal.multimodal_forward_step, data
 
 

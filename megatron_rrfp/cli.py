@@ -108,12 +108,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     import shutil
 
     from .bench import BenchConfig, format_table, run_bench
+    from .simulator import Variability
 
     config = BenchConfig(
         model=args.model, pipeline_size=args.pp, tensor_parallel=args.tp, data_parallel=args.dp,
         num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
-        variability=args.variability, f0_ms=args.f0_ms, **_workload_variability(args),
+        variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**_workload_variability(args)),
         iterations=args.iterations, warmup=args.warmup,
         seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout)
     report = run_bench(config)

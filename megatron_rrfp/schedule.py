@@ -102,7 +102,8 @@ class _Runtime:
             self.inbox = Inbox()
             self.transport = self._transport_cls(
                 rank=dist.get_rank(), groups=self.groups, device=self.device, on_message=self.inbox.put,
-                on_error=self.inbox.fail, name="", delay_fn=(lambda m: self._message_delay(m)) if message_delay else None)
+                on_error=self.inbox.fail, name="",
+                delay_fn=(lambda m: self._message_delay(m)) if message_delay else None)
         self._message_delay = message_delay
         return self.transport
 
@@ -182,7 +183,8 @@ class MegatronStageWork:
         self.forward_step_func, self.models, self.config = forward_step_func, models, config
         self.feeds = [MicrobatchFeed(it) for it in data_iterators]
         self.num_microbatches, self.topology, self.stage, self.cp_size = num_microbatches, topology, stage, cp_size
-        self.forward_only, self.collect_non_loss_data, self.first_val_step = forward_only, collect_non_loss_data, first_val_step
+        self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        self.first_val_step = first_val_step
         self.grad_sync = grad_sync
         self.model_type = adapter.model_type(models[0])
         self.saved: dict[tuple[int, int], tuple[list, list]] = {}
