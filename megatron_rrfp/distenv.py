@@ -90,8 +90,9 @@ def init_process_group(env: DistEnv, *, cpu: bool, timeout_s: float):
 
 def spawn_local(nproc: int, command: Sequence[str], *, env: Optional[dict] = None,
                 timeout_s: Optional[float] = None) -> int:
-    """Run ``command`` as ranks 0..nproc-1 on this host; return the first non-zero exit
-    code (or 0). Children share this process's stdout/stderr. When one rank fails the
+    """Run ``command`` as ranks 0..nproc-1 on this host; return the first failing rank's
+    exit status (128 + N if signal N killed it; 124 on timeout) or 0. Children share this
+    process's stdout/stderr; each failing rank is named on stderr. When one rank fails the
     others get GRACE_S seconds, then SIGKILL; children die with this process (Linux)."""
     import torch.distributed as dist
 
@@ -117,20 +118,46 @@ def spawn_local(nproc: int, command: Sequence[str], *, env: Optional[dict] = Non
 
 
 def _wait(procs: list, timeout_s: Optional[float]) -> int:
+    """Poll the ranks; name each one that fails. Returns the first failure's exit status,
+    124 on timeout, else 0. After the first failure the others get GRACE_S seconds."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failed_at, code = None, 0
-    while any(p.poll() is None for p in procs):
+    failed_at, code, reported = None, 0, set()
+    while True:
         now = time.monotonic()
-        bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if bad and failed_at is None:
-            failed_at, code = now, bad[0]
-        if (failed_at is not None and now - failed_at > GRACE_S) or (deadline is not None and now > deadline):
-            if code == 0:
-                print(f"megatron-rrfp: ranks still running after {timeout_s:g} s; killing them", file=sys.stderr)
-                code = 124
-            break
+        for rank, proc in enumerate(procs):
+            if proc.poll() not in (None, 0) and rank not in reported:
+                reported.add(rank)
+                _launcher_says(f"rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}")
+                if failed_at is None:
+                    failed_at, code = now, exit_status(proc.returncode)
+        running = [rank for rank, proc in enumerate(procs) if proc.returncode is None]
+        if not running:
+            return code
+        if failed_at is not None and now - failed_at > GRACE_S:
+            _launcher_says(f"ranks {running} still running {GRACE_S:g} s after the first failure; killing them")
+            return code
+        if deadline is not None and now > deadline:
+            _launcher_says(f"ranks {running} still running after {timeout_s:g} s; killing them")
+            return code or 124
         time.sleep(0.1)
-    return code or next((p.returncode for p in procs if p.returncode not in (None, 0)), 0)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _launcher_says(message: str) -> None:
+    print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
