@@ -7,6 +7,7 @@
   build_schedule    the forward-backward function: megatron-core's own (1f1b) or
                     forward_backward_rrfp, with the same keyword arguments
   build_data        the micro-batch source (see megatron_rrfp.data)
+  build_recorder    the goodput hooks (--rrfp-goodput-ledger; megatron_rrfp.goodput_recorder)
 
 The config hooks are set as Megatron-LM's training loop sets them: ``no_sync_func`` (DDP
 no_sync), ``finalize_model_grads_func`` (DDP finish + embedding/layernorm all-reduces)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from typing import Callable
 
 import torch
@@ -130,6 +132,42 @@ def build_data(cfg, *, dp_rank: int, dp_size: int, device: torch.device):
     if cfg.data_path:
         return data.TokenFile(cfg.data_path, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, **common)
     return data.SyntheticTokens(vocab_size=cfg.vocab_size, seed=cfg.seed, seq_length=cfg.seq_length, **common)
+
+
+def build_recorder(cfg, dp: int, *, since_wall: float):
+    """The goodput hooks (megatron_rrfp.goodput_recorder): no-ops on every rank without
+    --rrfp-goodput-ledger; with it rank 0 writes, and the time since ``since_wall`` (the
+    process start) counts as startup.
+
+    Another live job writing the same ledger fails every rank here with a ValueError, before
+    training (collective: the ranks agree on it, so none waits for a peer that left). Any other ledger problem only
+    warns (LedgerWarning); the recorder then still joins the per-iteration gathers."""
+    import torch.distributed as dist
+
+    from .goodput_recorder import GoodputRecorder
+    from .ledger import LedgerBusyError, LedgerWarning
+
+    path, rank, world = cfg.rrfp_goodput_ledger, dist.get_rank(), dist.get_world_size()
+    busy = None
+    try:
+        recorder = GoodputRecorder(path, rank=rank, world=world, job=f"megatron-rrfp train {cfg.model}",
+                                   since_wall=since_wall)
+    except LedgerBusyError as exc:
+        recorder, busy = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a ledger problem must not stop training
+        warnings.warn(f"goodput ledger {path}: not recorded ({type(exc).__name__}: {exc}); training continues",
+                      LedgerWarning, stacklevel=2)
+        recorder = GoodputRecorder(path, rank=rank, world=world, writer_rank=-1)  # gathers, writes nothing
+    if path and world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, busy)
+        busy = next((b for b in everyone if b), None)
+    if busy:
+        raise ValueError(busy if rank == 0 else f"rank 0 cannot write --rrfp-goodput-ledger {path} (see rank 0)")
+    recorder.job_start(pp=cfg.pipeline_model_parallel_size, tp=cfg.tensor_model_parallel_size, dp=dp,
+                       schedule=cfg.pipeline_schedule, model=cfg.model, train_iters=cfg.train_iters,
+                       tokens_per_iteration=cfg.global_batch_size * cfg.seq_length)
+    return recorder
 
 
 # --------------------------------------------------------------------------- CPU optimizer

@@ -17,11 +17,27 @@ One iteration is Megatron-LM's train_step: zero the DDP grad buffers, run the sc
 over ``global / (micro x DP)`` micro-batches, one optimizer step, one LR-scheduler step.
 The flags are ``TrainConfig``'s (megatron_rrfp.train_config); the pieces are built by
 megatron_rrfp.builders; data and checkpoints live in megatron_rrfp.data / .checkpoint.
+
+Goodput and failures. ``--rrfp-goodput-ledger PATH`` records job start and end, every
+iteration (tokens, each rank's RRFP time breakdown, data wait), checkpoint saves and
+loads, restarts and the error that stopped a run (megatron_rrfp.goodput_recorder; rank
+0 writes, off the training thread; a ledger that cannot be written only warns). Resume
+with the same ledger path so one report covers the whole job::
+
+    megatron-rrfp train ... --save ckpt/ --save-interval 100 --rrfp-goodput-ledger run/goodput.db
+    megatron-rrfp train ... --save ckpt/ --save-interval 100 --load ckpt/ --rrfp-goodput-ledger run/goodput.db
+    megatron-rrfp goodput run/goodput.db --json goodput.json     # wasted progress, recovery, ...
+
+A rank without progress for ``--rrfp-timeout`` seconds, or whose pipeline peer died,
+raises PipelineStallError with its state (peer, ready set, counters); ``--nproc`` then
+stops the remaining ranks within 10 s and exits non-zero (128 + signal for a killed rank).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +45,8 @@ from typing import Any, Optional, Sequence
 
 from . import distenv
 from .train_config import TrainConfig, add_arguments, check_layout, from_args, to_argv
+
+_STARTED_WALL = time.time()  # ~ this process's start: the ledger counts startup from here
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +65,37 @@ class Run:
     """This rank prints the training log: last pipeline stage, first TP and DP rank."""
     iteration: int = 0
     consumed_samples: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Step:
+    """What one iteration returns."""
+
+    loss: Optional[float]
+    """Token-weighted lm loss on the logging ranks, else None."""
+    grad_norm: Optional[float]
+    lr: float
+    data_wait_s: float
+    """Seconds this rank's forward steps spent waiting in next(data_iterator)."""
+
+
+class TimedIterator:
+    """The micro-batch iterator, timing every ``next()`` (``seconds``: the data wait)."""
+
+    __slots__ = ("_iterator", "seconds")
+
+    def __init__(self, iterator) -> None:
+        self._iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self._iterator)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------- parse
@@ -124,7 +173,7 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
                and ps.get_data_parallel_rank() == 0)
 
 
-def maybe_resume(cfg: TrainConfig, run: Run) -> None:
+def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
     from . import checkpoint
 
     if cfg.load is None:
@@ -132,8 +181,10 @@ def maybe_resume(cfg: TrainConfig, run: Run) -> None:
     if cfg.load_iteration is None and checkpoint.latest_iteration(cfg.load) is None:
         _rank0_print(f"no checkpoint in {cfg.load}: starting from scratch")
         return
-    resumed = checkpoint.load(cfg.load, iteration=cfg.load_iteration, model=run.model, optimizer=run.optimizer,
-                              scheduler=run.scheduler, layout=run.layout)
+    with recorder.checkpoint_load():
+        resumed = checkpoint.load(cfg.load, iteration=cfg.load_iteration, model=run.model, optimizer=run.optimizer,
+                                  scheduler=run.scheduler, layout=run.layout)
+    recorder.restart(resumed.iteration)  # completed iterations after this one were lost
     run.iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     _rank0_print(f"resumed from {cfg.load} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
 
@@ -141,21 +192,21 @@ def maybe_resume(cfg: TrainConfig, run: Run) -> None:
 # --------------------------------------------------------------------------- run
 
 
-def train_step(cfg: TrainConfig, run: Run) -> tuple[Optional[float], float, float]:
-    """One iteration; returns (lm loss on the logging ranks else None, grad norm, lr)."""
+def train_step(cfg: TrainConfig, run: Run) -> Step:
+    """One iteration (Megatron-LM's train_step)."""
     lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this iteration
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
+    data = TimedIterator(run.data.microbatches(run.consumed_samples, run.num_microbatches))
     losses = run.forward_backward(
-        forward_step_func=run.forward_step, data_iterator=run.data.microbatches(run.consumed_samples,
-                                                                                run.num_microbatches),
+        forward_step_func=_fault_injection(run.forward_step, run.iteration + 1), data_iterator=data,
         model=[run.model], num_microbatches=run.num_microbatches, seq_length=cfg.seq_length,
         micro_batch_size=cfg.micro_batch_size, forward_only=False)
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     run.iteration += 1
     run.consumed_samples += cfg.global_batch_size
-    return _mean_loss(losses), grad_norm, lr
+    return Step(loss=_mean_loss(losses), grad_norm=grad_norm, lr=lr, data_wait_s=data.seconds)
 
 
 def _mean_loss(losses: list) -> Optional[float]:
@@ -173,44 +224,86 @@ def _mean_loss(losses: list) -> Optional[float]:
 
 
 def train(cfg: TrainConfig) -> int:
+    import torch.distributed as dist
+
+    from . import builders
+
     device, dp = setup(cfg)
+    recorder = builders.build_recorder(cfg, dp, since_wall=_STARTED_WALL)  # collective with a ledger
     finished = False
     try:
         run = build(cfg, device, dp)
-        maybe_resume(cfg, run)
+        maybe_resume(cfg, run, recorder)
         _rank0_print(f"training {cfg.model}: {cfg.num_layers} layers x {cfg.hidden_size} wide, TP {cfg.tensor_model_parallel_size}"
                      f" x PP {cfg.pipeline_model_parallel_size} x DP {dp}, {run.num_microbatches} micro-batches of "
                      f"{cfg.micro_batch_size} x {cfg.seq_length} tokens per iteration, schedule {cfg.pipeline_schedule}"
                      f", {'cpu/gloo' if cfg.cpu else 'cuda/nccl'}")
-        loop(cfg, run)
+        loop(cfg, run, recorder)
         write_trace(cfg)
+        recorder.job_end()  # flushes for at most close_timeout_s (5 s)
+        _ledger_note(cfg, recorder)
         finished = True
+    except BaseException as exc:
+        recorder.disruption(type(exc).__name__, str(exc), rank=dist.get_rank())  # flushed (<= 2 s)
+        raise
     finally:
+        recorder.close()
         close(cfg, finished=finished)
     return 0
 
 
-def loop(cfg: TrainConfig, run: Run) -> None:
+def loop(cfg: TrainConfig, run: Run, recorder) -> None:
     import torch
 
     from . import checkpoint
 
+    report = _iteration_report_func(cfg)
     window: list[tuple[Optional[float], float]] = []  # (loss, seconds) since the last log line
     while run.iteration < cfg.train_iters:
+        number = run.iteration + 1
+        recorder.iteration_start(number)
         start = time.perf_counter()
-        loss, grad_norm, lr = train_step(cfg, run)
+        step = train_step(cfg, run)
         if torch.cuda.is_available() and not cfg.cpu:
             torch.cuda.synchronize()  # CPU-GPU sync point: the time includes the device work
-        window.append((loss, time.perf_counter() - start))
+        window.append((step.loss, time.perf_counter() - start))
+        # Collective with a ledger and world > 1: every rank gets here once per iteration.
+        recorder.iteration(number, tokens=cfg.global_batch_size * cfg.seq_length,  # whole job, not per rank
+                           report=report(), data_wait_s=step.data_wait_s)
         if run.iteration % cfg.log_interval == 0 or run.iteration == cfg.train_iters:
             if run.logs:
-                print(_log_line(cfg, run, window, grad_norm, lr), flush=True)
+                print(_log_line(cfg, run, window, step.grad_norm, step.lr), flush=True)
             window = []
         at_end = run.iteration == cfg.train_iters
         if cfg.save and (at_end or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
-            path = checkpoint.save(cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples,
-                                   model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, layout=run.layout)
+            with recorder.checkpoint_save(run.iteration):  # "ok" only if the save did not raise
+                path = checkpoint.save(cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples,
+                                       model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+                                       layout=run.layout)
             _rank0_print(f"saved checkpoint at iteration {run.iteration} to {path}")
+
+
+def _iteration_report_func(cfg: TrainConfig):
+    """``last_iteration_report`` for rrfp (this rank's compute / bubble / flush seconds);
+    Megatron's own schedules report nothing (the ledger then cannot split bubbles out)."""
+    if cfg.pipeline_schedule != "rrfp":
+        return lambda: None
+    from .schedule import last_iteration_report
+
+    return last_iteration_report
+
+
+def _ledger_note(cfg: TrainConfig, recorder) -> None:
+    """One line on the writing rank: where the report is, or that the ledger was lost."""
+    writer = recorder.writer
+    if writer is None:
+        return
+    path = cfg.rrfp_goodput_ledger
+    if writer.healthy and writer.dropped == 0:
+        print(f"goodput ledger: {path}  (report: megatron-rrfp goodput {path})", flush=True)
+    else:
+        print(f"goodput ledger {path}: {'not written' if not writer.healthy else f'{writer.dropped} events lost'} "
+              "(see the LedgerWarning above); training was not affected", flush=True)
 
 
 def _log_line(cfg: TrainConfig, run: Run, window: list, grad_norm: Optional[float], lr: float) -> str:
@@ -244,6 +337,34 @@ def write_trace(cfg: TrainConfig) -> None:
         path = write_chrome_trace([s for part in gathered for s in part],
                                   os.path.join(cfg.rrfp_trace_dir, "trace.json"), metadata=meta)
         print(f"trace of the last iteration: {path}", flush=True)
+
+
+# --------------------------------------------------------------------------- fault injection (tests only)
+
+KILL_RANK_ENV, KILL_AT_ITERATION_ENV = "RRFP_TEST_KILL_RANK", "RRFP_TEST_KILL_AT_ITER"
+
+
+def _fault_injection(forward_step, iteration: int):
+    """TEST-ONLY fault-injection hook (tests/test_train_failures.py). With RRFP_TEST_KILL_RANK=R
+    and RRFP_TEST_KILL_AT_ITER=N set, rank R SIGKILLs itself in its 2nd forward step of
+    iteration N: mid-pipeline, with no chance to clean up, like a node that dies.
+    Unset (always, outside those tests): returns ``forward_step`` unchanged."""
+    kill_rank, kill_at = os.environ.get(KILL_RANK_ENV), os.environ.get(KILL_AT_ITERATION_ENV)
+    if kill_rank is None or kill_at is None or int(kill_at) != iteration:
+        return forward_step
+    import torch.distributed as dist
+
+    if int(kill_rank) != dist.get_rank():
+        return forward_step
+    calls = itertools.count(1)
+
+    def step(*args, **kwargs):
+        if next(calls) == 2:
+            print(f"fault injection: SIGKILL rank {kill_rank} in iteration {iteration}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward_step(*args, **kwargs)
+
+    return step
 
 
 # --------------------------------------------------------------------------- close

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -88,6 +89,18 @@ class TrainConfig:
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 
 
+TRAIN_HELP = {
+    "rrfp_goodput_ledger": (
+        "record goodput in this SQLite file: job start/end, every iteration (tokens, each rank's RRFP time "
+        "breakdown gathered from all ranks, data wait), checkpoint saves and loads, restarts, and the error "
+        "that stopped a run. Rank 0 writes it off the training thread; a ledger that cannot be written gives a "
+        "LedgerWarning and training goes on; another live job writing the same file is an error at start. "
+        "Pass the same path when resuming with --load: one report covers the whole job "
+        "('megatron-rrfp goodput PATH'). Like every --rrfp-* flag, needs --pipeline-schedule rrfp", "PATH"),
+}
+"""--dest: (help, metavar) replacing options.add_rrfp_arguments' generic text in this driver's --help."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):
@@ -102,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             meta["help"] += f" (default {f.default})" if f.default is not None else ""
         groups[name].add_argument("--" + f.name.replace("_", "-"), default=f.default, **meta)
     add_rrfp_arguments(parser)
+    for action in parser._actions:  # the shared flags, as this driver uses them
+        if action.dest in TRAIN_HELP:
+            action.help, action.metavar = TRAIN_HELP[action.dest]
     return parser
 
 
@@ -153,9 +169,9 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     _require(c.pipeline_schedule != "rrfp" or pp >= 2,
              f"--pipeline-schedule rrfp needs --pipeline-model-parallel-size >= 2 (got {pp}); "
              "with one stage there is nothing to order: use 1f1b")
-    _require(c.rrfp_goodput_ledger is None,
-             "--rrfp-goodput-ledger is not supported by 'megatron-rrfp train' yet (it is read by the Megatron-LM "
-             "integration)")
+    _require(c.rrfp_goodput_ledger is None or not os.path.isdir(c.rrfp_goodput_ledger),
+             f"--rrfp-goodput-ledger {c.rrfp_goodput_ledger!r} is a directory; give the ledger file's path "
+             "(e.g. DIR/goodput.db)")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
     _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.recipes.multimodal") is not None,
