@@ -143,7 +143,7 @@ class PipelineIteration:
         if self.agreement is not None:
             start = time.time()
             before = self.agreement.stats.seconds
-            task = self.agreement.decide(lambda: (self._absorb(), set(self.ready))[1], self.arbiter.choose,
+            task = self.agreement.decide(self._ready_snapshot, self.arbiter.choose,
                                          lambda: len(self.arbiter.dispatched), self._wait_for_change)
             self._span("agree", "agree", start, start + (self.agreement.stats.seconds - before))
             return task
@@ -152,6 +152,10 @@ class PipelineIteration:
             if task is not None:
                 return task
             self._wait_for_change(set(self.ready))
+
+    def _ready_snapshot(self) -> set[Task]:
+        self._absorb()
+        return set(self.ready)
 
     def _wait_for_change(self, seen: set[Task]) -> None:
         """Block until the ready set differs from ``seen`` (or fail after timeout_s)."""
@@ -170,8 +174,8 @@ class PipelineIteration:
             self.report.backpressure_s += end - start
         else:
             self.report.wait_s += end - start
-        self._span("backpressure" if blocked_by_limit else "wait", "backpressure" if blocked_by_limit else "wait",
-                   start, end)
+        category = "backpressure" if blocked_by_limit else "wait"
+        self._span(category, category, start, end)
 
     def _absorb(self) -> None:
         try:
