@@ -11,7 +11,15 @@ parser gains ``--pipeline-schedule {1f1b,rrfp}`` and the ``--rrfp-*`` flags (def
 in megatron_rrfp.options). When that parser has parsed, the flags are checked (a bad value
 exits with a message naming the flag) and, with ``--pipeline-schedule rrfp``, Megatron's
 schedule lookup is routed to the readiness-first executor. With the default ``1f1b``
-nothing of Megatron is changed.
+nothing of Megatron behaves differently.
+
+Goodput ledger and traces (``--pipeline-schedule rrfp`` with ``--rrfp-goodput-ledger PATH``
+and/or ``--rrfp-trace-dir DIR``): install() also wraps Megatron-LM's ``pretrain`` (inert
+unless such a run is active); once the flags are parsed, the names that
+megatron.training.training looks up at call time (setup_model_and_optimizer,
+load_checkpoint, save_checkpoint_and_time, save_checkpoint, train_step) are wrapped so that
+every rank feeds a GoodputRecorder and writes its RRFP spans as Chrome/Perfetto traces
+(megatron_rrfp.megatron_lm_hooks). ``megatron-rrfp goodput PATH`` reads the ledger.
 
 megatron-core alone (no megatron.training, e.g. the 0.16.1 wheel)::
 
@@ -32,6 +40,7 @@ import sys
 from typing import Optional
 
 from . import adapter
+from .megatron_lm_hooks import HookOptions, MegatronLMHooks
 from .options import SCHEDULES, add_rrfp_arguments, rrfp_config_from_args, selected, validate_rrfp_arguments
 
 __all__ = ["install", "uninstall", "routed", "get_forward_backward_func"]
@@ -50,6 +59,7 @@ class _State:
         self.routed_modules: list = []
         self.announced = False
         self.code_schedule: Optional[str] = None  # install(schedule=...), for the override warning
+        self.training_hooks: Optional[MegatronLMHooks] = None  # goodput ledger + traces in Megatron-LM
 
 
 _state = _State()
@@ -70,6 +80,7 @@ def install(schedule: Optional[str] = None, **options) -> None:
     if options and schedule != "rrfp":
         raise ValueError(f"megatron_rrfp.install: options {sorted(options)} need schedule='rrfp'")
     _hook_arguments()
+    _hook_training_loop()
     if schedule == "rrfp":
         _select_rrfp(options)
     elif schedule == "1f1b":
@@ -85,6 +96,8 @@ def uninstall() -> None:
     _unroute()
     if _state.arguments_module is not None:
         setattr(_state.arguments_module, _ARGS_HOOK, _state.original_add_arguments)
+    if _state.training_hooks is not None:
+        _state.training_hooks.detach()
     configure(**_fields(RRFPConfig()))
     _state.__init__()
 
@@ -139,13 +152,41 @@ def _apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         validate_rrfp_arguments(args)
         if selected(args):
             _select_rrfp(_fields(rrfp_config_from_args(args)))
+            _record_training_loop(HookOptions.from_args(args))
         else:
             if routed() and _state.code_schedule == "rrfp":
                 print("megatron-rrfp: warning: --pipeline-schedule 1f1b (the command line) overrides "
                       "install(schedule='rrfp'); add --pipeline-schedule rrfp to keep rrfp", file=sys.stderr)
             _unroute()
+            _record_training_loop(None)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+# -- goodput ledger and traces in Megatron-LM's training loop --------------------------
+
+
+def _hook_training_loop() -> None:
+    """Wrap Megatron-LM's pretrain now, before the entry script imports it by name."""
+    if _state.arguments_module is None or _state.training_hooks is not None:
+        return  # megatron-core only, or already attached
+    training = adapter.megatron_training_module()
+    if training is None:
+        return
+    get_args, get_timers = adapter.megatron_lm_globals()
+    _state.training_hooks = MegatronLMHooks(training, get_args=get_args, get_timers=get_timers)
+    _state.training_hooks.attach()
+
+
+def _record_training_loop(options: Optional[HookOptions]) -> None:
+    """After parsing: wrap the loop's call-time names when a ledger or trace dir is asked for."""
+    hooks = _state.training_hooks
+    if hooks is None:
+        return
+    if options is not None and options.active:
+        hooks.activate(options)
+    else:
+        hooks.deactivate()
 
 
 # -- schedule routing -----------------------------------------------------------------

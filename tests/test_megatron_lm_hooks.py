@@ -1,0 +1,349 @@
+"""megatron_rrfp.megatron_lm_hooks: goodput ledger and traces around Megatron-LM's loop.
+
+    python -m pytest tests/test_megatron_lm_hooks.py -q          # a few seconds
+
+CI has no megatron.training, so the hooks are exercised against a STAND-IN for
+``megatron.training.training``, written for these tests (no Megatron-LM code): a module
+object whose pretrain / train call setup_model_and_optimizer, load_checkpoint,
+save_checkpoint_and_time, save_checkpoint and train_step through the module's globals, as
+Megatron-LM's do (adapter.py, "Megatron-LM training-loop hooks"). Its train_step stands
+in for the RRFP schedule by publishing a measured IterationReport with spans. The
+ledger is the real SQLite one, read back through goodput_report. The last test checks
+the real megatron.training.training when it is importable (a Megatron-LM checkout on
+PYTHONPATH); the end-to-end run of pretrain_gpt.py is a local check (see the README).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import types
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rrfp import adapter, integration
+from megatron_rrfp.actions import Kind, Task
+from megatron_rrfp.executor import IterationReport
+from megatron_rrfp.goodput import goodput_report
+from megatron_rrfp.ledger import load_ledger
+from megatron_rrfp.megatron_lm_hooks import HookOptions, MegatronLMHooks, TraceWarning, trace_due
+from megatron_rrfp.trace import Span
+
+# The stand-in (see the module docstring). ARGS, SAVED and the schedule STEP are set by
+# the test; `from`-style name binding is not used inside, so every call below goes
+# through this module's globals -- the property the hooks rely on.
+_STAND_IN_TRAINING = textwrap.dedent('''
+    import time
+    _TRAIN_START_TIME = time.time() - 5.0   # the process "started" 5 s ago
+    ARGS = None
+    SAVED = []
+    STEP = None
+
+    def load_checkpoint(model, optimizer, scheduler, **kwargs):
+        return ARGS.checkpoint_iteration, 0.0          # (iteration, flops)
+
+    def save_checkpoint(iteration, model, optimizer, scheduler, flops, *args, **kwargs):
+        if iteration in ARGS.failing_saves:
+            raise OSError(f"stand-in: cannot save iteration {iteration}")
+        SAVED.append(iteration)
+
+    def save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, context, **kwargs):
+        save_checkpoint(iteration, model, optimizer, scheduler, flops, context)
+
+    def setup_model_and_optimizer(model_provider, model_type, **kwargs):
+        ARGS.iteration = 0
+        if ARGS.load:
+            ARGS.iteration, _ = load_checkpoint(None, None, None)
+        return "model", "optimizer", "scheduler"
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, fb, iteration=None):
+        STEP(iteration)
+        return {}, False, False, False, 0, 1.0, 0, None
+
+    def train(model, optimizer, scheduler):
+        iteration = ARGS.iteration
+        while iteration < ARGS.train_iters:
+            ARGS.curr_iteration = iteration
+            train_step(None, None, model, optimizer, scheduler, None, None, iteration=iteration)
+            iteration += 1
+            if ARGS.save_interval and iteration % ARGS.save_interval == 0:
+                save_checkpoint_and_time(iteration, model, optimizer, scheduler, 0.0, {})
+        return iteration
+
+    def pretrain(dataset_provider, model_provider, model_type, forward_step_func, **kwargs):
+        model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
+        iteration = train(model, optimizer, scheduler)
+        if ARGS.save_interval and iteration % ARGS.save_interval:   # core_v0.16.1's final save
+            save_checkpoint(iteration, model, optimizer, scheduler, 0.0)
+        return iteration
+''')
+
+
+class FakeSchedule:
+    """Stands in for forward_backward_rrfp: each step publishes a fresh measured report."""
+
+    def __init__(self, fail_at=None):
+        self.report = None
+        self.fail_at = fail_at  # 0-based iteration whose step raises
+
+    def __call__(self, iteration):
+        if self.fail_at is not None and iteration == self.fail_at:
+            raise RuntimeError(f"stand-in schedule: stage 1 lost at iteration {iteration + 1}")
+        spans = [Span(0, "0F0", "F", 0.00, 0.02), Span(0, "wait", "wait", 0.02, 0.03),
+                 Span(0, "0B0", "B", 0.03, 0.07)]
+        self.report = IterationReport(rank=0, stage=0, order=[Task(Kind.F, 0), Task(Kind.B, 0)], wall_s=0.07,
+                                      compute_s=0.06, wait_s=0.01, spans=spans)
+
+    def last_report(self):
+        return self.report
+
+
+@pytest.fixture
+def training(monkeypatch):
+    """The stand-in module, registered in sys.modules (the entry point is rebound there)."""
+    module = types.ModuleType("stand_in_megatron_training_training")
+    exec(compile(_STAND_IN_TRAINING, "<stand-in megatron.training.training>", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def _args(**overrides):
+    base = dict(train_iters=4, save_interval=2, log_interval=3, load=False, checkpoint_iteration=0, failing_saves=(),
+                global_batch_size=8, seq_length=64, pipeline_model_parallel_size=2, tensor_model_parallel_size=1)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def _hooks(training, schedule, options, timers=None):
+    """Hooks on the stand-in, activated; ``schedule`` runs its steps and reports them."""
+    training.STEP = schedule
+    hooks = MegatronLMHooks(training, get_args=lambda: training.ARGS, get_timers=lambda: timers,
+                            last_report=schedule.last_report)
+    hooks.attach()
+    hooks.activate(options)
+    return hooks
+
+
+def _run(training, args):
+    training.ARGS = args
+    return training.pretrain(None, None, None, None)
+
+
+def _events(path, kind):
+    return [e for e in load_ledger(path).events if e.kind == kind]
+
+
+def test_ledger_records_iterations_checkpoints_and_restart(training, tmp_path):
+    from megatron.core.timers import Timers
+
+    ledger, traces = str(tmp_path / "goodput.db"), str(tmp_path / "traces")
+    schedule, timers = FakeSchedule(), Timers(1, "minmax")  # log level 1: the rrfp-* timers are real
+    hooks = _hooks(training, schedule, HookOptions(ledger_path=ledger, trace_dir=traces), timers)
+    try:
+        assert _run(training, _args()) == 4  # saves at 2, 4 (save_checkpoint_and_time)
+        _run(training, _args(load=True, checkpoint_iteration=4, train_iters=7))  # 6; final 7 direct
+    finally:
+        hooks.detach()
+
+    report = goodput_report(ledger)
+    assert [r.iteration for r in report.iterations] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(r.fate == "kept" and r.measured and r.tokens == 8 * 64 for r in report.iterations)
+    assert report.sessions == 2 and report.disruptions == []
+    assert report.badput["pipeline_bubble"] > 0  # the reports' wait_s reached the accounting
+    saves = _events(ledger, "checkpoint_save_end")  # one per save although two functions are wrapped
+    assert [(e.iteration, e.data["ok"]) for e in saves] == [(2, True), (4, True), (6, True), (7, True)]
+    assert training.SAVED == [2, 4, 6, 7]
+    assert [e.data["resumed_from"] for e in _events(ledger, "restart")] == [4]
+    assert len(_events(ledger, "checkpoint_load_end")) == 1
+    assert len(_events(ledger, "job_end")) == 2
+    assert _events(ledger, "job_start")[0].data == {"world": 1, "pp": 2, "tp": 1}
+    assert load_ledger(ledger).sessions[0].started_wall <= training._TRAIN_START_TIME + 1e-3  # since_wall
+    assert timers("rrfp-bubble").elapsed(reset=False) == pytest.approx(7 * 0.01)
+    assert "rrfp-bubble" in timers.log.names  # extend_timer_logging: training_log prints them
+
+    # --log-interval 3 and the last iteration of each run (--train-iters 4, then 7).
+    assert sorted(os.listdir(traces)) == [f"rrfp-rank0-iter{n}.json" for n in (3, 4, 6, 7)]
+    with open(os.path.join(traces, "rrfp-rank0-iter6.json")) as handle:
+        trace = json.load(handle)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["cat"], e["pid"]) for e in spans] == [("0F0", "F", 0), ("wait", "wait", 0), ("0B0", "B", 0)]
+    assert trace["otherData"]["iteration"] == 6 and trace["otherData"]["order"] == "0F0,0B0"
+
+
+def test_trace_io_error_warns_once_and_training_continues(training, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the trace directory's parent should be")
+    ledger = str(tmp_path / "goodput.db")
+    hooks = _hooks(training, FakeSchedule(), HookOptions(ledger_path=ledger, trace_dir=str(blocker / "traces")))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _run(training, _args(train_iters=7, log_interval=1)) == 7
+    finally:
+        hooks.detach()
+    trace_warnings = [w for w in caught if issubclass(w.category, TraceWarning)]
+    assert len(trace_warnings) == 1, [str(w.message) for w in caught]
+    assert "rrfp-rank0-iter1.json not written" in str(trace_warnings[0].message)
+    assert [r.iteration for r in goodput_report(ledger).iterations] == list(range(1, 8))
+
+
+def test_failures_are_recorded_and_reraised(training, tmp_path):
+    ledger = str(tmp_path / "goodput.db")
+    schedule = FakeSchedule()
+    hooks = _hooks(training, schedule, HookOptions(ledger_path=ledger))
+    try:
+        with pytest.raises(OSError, match="cannot save iteration 2"):
+            _run(training, _args(failing_saves=(2,)))
+        schedule.fail_at = 2
+        with pytest.raises(RuntimeError, match="stage 1 lost"):
+            _run(training, _args(load=True, checkpoint_iteration=1))
+    finally:
+        hooks.detach()
+    assert [(e.iteration, e.data["ok"]) for e in _events(ledger, "checkpoint_save_end")] == [(2, False), (2, True)]
+    assert [(e.data["kind"], e.data["rank"]) for e in _events(ledger, "disruption")] == \
+        [("OSError", 0), ("RuntimeError", 0)]
+    assert _events(ledger, "job_end") == []
+    report = goodput_report(ledger)
+    assert [(r.iteration, r.fate) for r in report.iterations if r.fate != "kept"] == [(2, "wasted"), (3, "incomplete")]
+
+
+def test_megatron_sys_exit_zero_is_a_clean_end(training, tmp_path):
+    ledger = str(tmp_path / "goodput.db")
+    hooks = _hooks(training, FakeSchedule(), HookOptions(ledger_path=ledger))
+    original_train = training.train
+
+    def train_then_exit(*args):  # Megatron's train() on --exit-interval: sys.exit(0)
+        original_train(*args)
+        raise SystemExit(0)
+
+    training.train = train_then_exit
+    try:
+        with pytest.raises(SystemExit):
+            _run(training, _args())
+    finally:
+        hooks.detach()
+    assert len(_events(ledger, "job_end")) == 1 and _events(ledger, "disruption") == []
+
+
+def test_inactive_hooks_leave_megatron_alone(training, tmp_path):
+    originals = {name: getattr(training, name) for name in
+                 ("pretrain", "setup_model_and_optimizer", "load_checkpoint", "save_checkpoint_and_time",
+                  "save_checkpoint", "train_step")}
+    by_name = types.ModuleType("stand_in_entry_script")  # `from megatron.training import pretrain`
+    by_name.pretrain = training.pretrain
+    sys.modules[by_name.__name__] = by_name
+    try:
+        training.STEP = FakeSchedule()
+        hooks = MegatronLMHooks(training, get_args=lambda: training.ARGS, get_timers=lambda: None)
+        hooks.attach()
+        assert by_name.pretrain is training.pretrain is not originals["pretrain"]
+        assert training.train_step is originals["train_step"]  # only the entry point until activated
+        assert _run(training, _args()) == 4  # inert: no run, no files
+        assert hooks.run is None and os.listdir(tmp_path) == []
+        hooks.activate(HookOptions(ledger_path=str(tmp_path / "goodput.db")))
+        assert training.train_step is not originals["train_step"]
+        hooks.deactivate()
+        hooks.detach()
+    finally:
+        del sys.modules[by_name.__name__]
+    assert {name: getattr(training, name) for name in originals} == originals
+    assert by_name.pretrain is originals["pretrain"]
+
+
+def test_trace_due():
+    due = [n for n in range(1, 11) if trace_due(n, log_interval=4, last_iteration=10)]
+    assert due == [4, 8, 10]
+    assert [n for n in range(1, 4) if trace_due(n, log_interval=None, last_iteration=None)] == []
+
+
+# -- through install(): the flags decide, after Megatron's parser ran -------------------
+
+_STAND_IN_ARGUMENTS = textwrap.dedent('''
+    import argparse
+
+    def add_megatron_arguments(parser):
+        parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+        return parser
+
+    def parse_args():
+        parser = add_megatron_arguments(argparse.ArgumentParser(prog="stand-in", allow_abbrev=False))
+        return parser.parse_args()
+''')
+
+
+@pytest.fixture
+def megatron_training(monkeypatch, training):
+    """Stand-ins for the megatron.training package, .arguments, .training and .global_vars."""
+    package = types.ModuleType("megatron.training")
+    package.__path__ = []
+    arguments = types.ModuleType("megatron.training.arguments")
+    exec(compile(_STAND_IN_ARGUMENTS, "<stand-in megatron.training.arguments>", "exec"), arguments.__dict__)
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_args = lambda: training.ARGS
+    global_vars.get_timers = lambda: None
+    package.pretrain = training.pretrain  # megatron/training/__init__.py re-exports it
+    for name, module in (("megatron.training", package), ("megatron.training.arguments", arguments),
+                         ("megatron.training.training", training), ("megatron.training.global_vars", global_vars)):
+        monkeypatch.setitem(sys.modules, name, module)
+    integration.uninstall()
+    yield SimpleNamespace(package=package, arguments=arguments, training=training)
+    integration.uninstall()
+
+
+def test_install_activates_hooks_only_for_rrfp_with_a_ledger_or_trace_dir(megatron_training, monkeypatch, tmp_path):
+    training, package = megatron_training.training, megatron_training.package
+    original_step = training.train_step
+    integration.install()
+    assert package.pretrain is training.pretrain and getattr(package.pretrain, "_rrfp_hook", False)
+
+    def parse(*flags):
+        monkeypatch.setattr(sys, "argv", ["stand-in", "--pipeline-model-parallel-size", "2", *flags])
+        return megatron_training.arguments.parse_args()
+
+    parse("--pipeline-schedule", "rrfp")
+    assert training.train_step is original_step  # rrfp alone: nothing to record
+    ledger = str(tmp_path / "goodput.db")
+    args = parse("--pipeline-schedule", "rrfp", "--rrfp-goodput-ledger", ledger)
+    assert training.train_step is not original_step
+    training.ARGS = argparse.Namespace(**{**vars(_args()), **vars(args)})
+    training.STEP = FakeSchedule()  # the hooks read the real schedule's (empty) last report
+    package.pretrain(None, None, None, None)  # what the entry script calls
+    assert len(_events(ledger, "iteration_end")) == 4  # no RRFP report here: the real schedule did not run
+    parse()  # back to 1f1b
+    assert training.train_step is original_step
+    integration.uninstall()
+    assert not getattr(package.pretrain, "_rrfp_hook", False)
+
+
+# -- the real Megatron-LM ------------------------------------------------------------------
+
+def test_real_megatron_training_calls_the_wrapped_names_through_module_globals():
+    """Each wrapped name is looked up at call time (LOAD_GLOBAL) by the function that calls it."""
+    pytest.importorskip("megatron.training")
+    training = adapter.megatron_training_module()
+    names = adapter.TRAINING_LOOP_NAMES
+    callers = {names.setup: "pretrain", names.load: names.setup, "save_checkpoint_and_time": "train",
+               "save_checkpoint": "save_checkpoint_and_time", names.step: "train"}
+    for name, caller in callers.items():
+        assert callable(vars(training).get(name)), name
+        assert name in getattr(training, caller).__code__.co_names, f"{caller} does not look up {name} globally"
+    assert isinstance(adapter.train_start_time(training), float)
+    get_args, get_timers = adapter.megatron_lm_globals()
+    assert callable(get_args) and callable(get_timers)
+
+    import megatron.training as package
+
+    before = {name: getattr(training, name) for name in (*callers, names.entry)}
+    hooks = MegatronLMHooks(training, get_args=get_args, get_timers=get_timers)
+    hooks.attach()
+    hooks.activate(HookOptions(trace_dir="unused"))
+    try:
+        assert package.pretrain is training.pretrain is not before[names.entry]
+        assert all(getattr(training, name) is not before[name] for name in callers)
+    finally:
+        hooks.detach()
+    assert {name: getattr(training, name) for name in before} == before
+    assert package.pretrain is before[names.entry]
