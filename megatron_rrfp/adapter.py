@@ -66,6 +66,8 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter output buffers
     "megatron.core.distributed.param_and_grad_buffer",  # DDP's grad buffers on current_device()
     "megatron.core.timers",  # Timer.start/stop synchronize CUDA; min/max gather on current_device()
+    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale = torch.tensor([1.0], device='cuda')
+    "megatron.core.optimizer.clip_grads",  # get_grad_norm_fp32: torch.zeros(1, device='cuda') buffers
 )
 # torch functions that take `device=`; only these are wrapped, so classes such as
 # torch.Tensor stay real classes (isinstance checks keep working).
@@ -176,6 +178,32 @@ def _disable_cuda_rng_fork() -> None:
         return contextlib.nullcontext()
 
     tp_random.CudaRNGStatesTracker.fork = fork
+
+
+# --------------------------------------------------------------------------- CPU optimizer
+#
+# megatron-core 0.16.1's optimizer runs on CPU once its modules are in the redirect list
+# above, except clip_grad_by_total_norm_fp32, which asserts 'torch.cuda.FloatTensor': on
+# CPU the optimizer module gets the same arithmetic without the device assertion.
+
+
+def enable_cpu_optimizer() -> None:
+    """megatron-core's get_megatron_optimizer (and grad clipping) on a CPU-only host."""
+    if not enable_cpu_reference_schedules():
+        return  # CUDA is available: nothing to bend
+    importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
+        _clip_grad_by_total_norm
+
+
+@torch.no_grad()
+def _clip_grad_by_total_norm(parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False):
+    """grad *= max_norm / (total_norm + 1e-6) when that is < 1 (megatron-core's rule)."""
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad" if use_decoupled_grad else "grad", None)
+            if grad is not None:
+                grad.mul_(coefficient)
 
 
 # --------------------------------------------------------------------------- schedule calls

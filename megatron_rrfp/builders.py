@@ -97,7 +97,9 @@ def build_optimizer(cfg, model):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if cfg.cpu:
-        enable_cpu_optimizer()
+        from . import adapter
+
+        adapter.enable_cpu_optimizer()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                         adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False),
@@ -172,37 +174,3 @@ def build_recorder(cfg, dp: int, *, since_wall: float):
 
 # --------------------------------------------------------------------------- CPU optimizer
 #
-# adapter.enable_cpu_reference_schedules() covers the schedules, p2p, DDP buffers and
-# GPTModel; megatron-core 0.16.1's optimizer has CUDA literals of its own:
-#   optimizer/optimizer.py   FP32Optimizer._scale = torch.tensor([1.0], device='cuda')
-#   optimizer/clip_grads.py  get_grad_norm_fp32: torch.zeros(1, device='cuda') buffers;
-#                            clip_grad_by_total_norm_fp32 asserts 'torch.cuda.FloatTensor'
-# The first two get the adapter's per-module torch stand-in (cuda -> cpu); the clip,
-# which cannot run on a CPU tensor at all, is replaced in the optimizer module by the
-# same arithmetic without the device assertion. This belongs in adapter.py (its
-# _CPU_REDIRECTED_MODULES) and moves there once that module's owner takes it.
-
-_OPTIMIZER_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads")
-
-
-def enable_cpu_optimizer() -> None:
-    from . import adapter
-
-    if not adapter.enable_cpu_reference_schedules():
-        return  # CUDA is available: nothing to bend
-    for name in _OPTIMIZER_MODULES:
-        module = importlib.import_module(name)
-        if name not in adapter.cpu_redirected_modules() and not isinstance(module.torch, adapter._CpuTorch):
-            module.torch = adapter._CpuTorch()
-    importlib.import_module(_OPTIMIZER_MODULES[0]).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
-
-
-@torch.no_grad()
-def _clip_grad_by_total_norm(parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False):
-    """grad *= max_norm / (total_norm + 1e-6) when that is < 1 (megatron-core's rule)."""
-    coefficient = max_norm / (total_norm + 1.0e-6)
-    if coefficient < 1.0:
-        for param in parameters:
-            grad = getattr(param, "decoupled_grad" if use_decoupled_grad else "grad", None)
-            if grad is not None:
-                grad.mul_(coefficient)
