@@ -63,6 +63,8 @@ class BenchConfig:
     seed: int = 0
     buffer_limit: int = 32
     out_dir: str = "rrfp-out/bench"
+    goodput_ledger: Optional[str] = None
+    """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
     timeout_s: float = 1200.0
 
     def variability_model(self) -> Variability:
@@ -134,6 +136,12 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     variability = config.variability_model()
     rank = dist.get_rank()
     results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}
+    from .goodput import GoodputRecorder
+
+    recorder = GoodputRecorder(config.goodput_ledger, rank=rank, world=dist.get_world_size(), job="bench")
+    recorder.job_start(schedules=list(config.schedules), model=config.model, pp=pp, variability=config.variability)
+    tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
+    ledger_iteration = 0
     total = len(config.schedules) * (config.warmup + config.iterations)
     done = 0
     for schedule in config.schedules:
@@ -149,6 +157,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                           num_microbatches=config.num_microbatches, seq_length=config.seq_length,
                           micro_batch_size=config.micro_batch_size)
             dist.barrier()
+            ledger_iteration += 1
+            recorder.iteration_start(ledger_iteration)
             start = time.time()
             if schedule == "megatron-1f1b":
                 forward_backward_pipelining_without_interleaving(**kwargs)
@@ -164,6 +174,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                 own_spans = report.spans
                 breakdown = {name: getattr(report, name) for name in BREAKDOWN}
             wall = torch.tensor([time.time() - start], dtype=torch.float64)
+            recorder.iteration(ledger_iteration, tokens=tokens,
+                               report=None if schedule == "megatron-1f1b" else last_iteration_report())
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
             busy_total = torch.tensor([compute], dtype=torch.float64)
@@ -183,6 +195,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                                                    for name in BREAKDOWN} if breakdowns else None}
     from .schedule import shutdown
 
+    recorder.job_end()
     shutdown()
     return results
 

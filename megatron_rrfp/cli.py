@@ -100,6 +100,8 @@ def _add_bench(sub) -> None:
         p.add_argument("--buffer-limit", type=int, default=32)
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
+        p.add_argument("--goodput-ledger", metavar="DB", default=None,
+                       help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
         p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the run is killed")
         p.set_defaults(func=_run_bench)
 
@@ -116,7 +118,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
         variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**_workload_variability(args)),
         iterations=args.iterations, warmup=args.warmup,
-        seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout)
+        seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
+        goodput_ledger=args.goodput_ledger)
     report = run_bench(config)
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
