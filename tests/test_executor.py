@@ -37,6 +37,7 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
         Case(model="mlp", iterations=3),
         Case(model="gpt", iterations=2, forward_only=True),
         Case(model="gpt", iterations=3, hint="bfw"),
+        Case(model="mlp", iterations=2, variable_seq_lengths=True),
     ]
     results = launch(run_cases, world_size=2, timeout=360, args=(cases,))
     _check([r[:2] + r[3:] for r in results])
@@ -66,7 +67,8 @@ def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
 def test_dp2_pp2_with_megatron_ddp_and_finalize():
     results = launch(run_cases, world_size=4, pp=2, timeout=360,
                      args=([Case(model="gpt", iterations=3), Case(model="mlp", iterations=2),
-                            Case(model="gpt", iterations=2, hint="bfw")],))
+                            Case(model="gpt", iterations=2, hint="bfw"),
+                            Case(model="gpt", iterations=2, per_token_loss=True)],))
     _check(results)
 
 

@@ -38,6 +38,10 @@ class Case:
     micro_batch_size: int = 2
     vocab_size: int = 64
     timeout_s: float = 60.0
+    variable_seq_lengths: bool = False
+    """mlp only: every microbatch has its own sequence length (config.variable_seq_lengths)."""
+    per_token_loss: bool = False
+    """config.calculate_per_token_loss: finalize_model_grads divides by the total token count."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,6 +66,9 @@ def _build(case: Case, data_parallel: int):
         stage = multimodal.build_multimodal_stage(multimodal.multimodal_config(), spec, seed=11)
     else:
         stage = models.build_mlp_stage(config, seed=11)
+    config = getattr(stage, "config", config)
+    config.variable_seq_lengths = case.variable_seq_lengths
+    config.calculate_per_token_loss = case.per_token_loss
     if data_parallel > 1:
         stage = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
         config.no_sync_func = stage.no_sync
@@ -103,8 +110,19 @@ def _data(case: Case, iteration: int):
         spec = multimodal.MultimodalSpec(seq_length=case.seq_length, vocab_size=case.vocab_size)
         return multimodal.synthetic_multimodal_batches(spec, seed=100 + iteration, micro_batch_size=case.micro_batch_size,
                                                        images_per_sample_mean=1.0)
+    if case.variable_seq_lengths:
+        return _variable_length_mlp_batches(case, seed=100 + iteration)
     return models.synthetic_mlp_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
                                         seq_length=case.seq_length, hidden_size=32)
+
+
+def _variable_length_mlp_batches(case: Case, seed: int):
+    """Like models.synthetic_mlp_batches, but each microbatch draws its own sequence length."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        length = int(torch.randint(2, 2 * case.seq_length, (1,), generator=generator))
+        shape = (length, case.micro_batch_size, 32)
+        yield {"inputs": torch.randn(shape, generator=generator), "targets": torch.randn(shape, generator=generator)}
 
 
 def compare_with_megatron(case: Case) -> dict:
