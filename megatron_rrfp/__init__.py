@@ -10,9 +10,15 @@ Where things live:
   agreement.py  tensor-parallel agreement: one ready-set exchange per decision
   executor.py   the runtime loop of one rank (framework-agnostic)
   schedule.py   Megatron-core's schedule contract: forward_backward_rrfp
+  grad_sync.py  when gradient reductions may run (no_sync, grad/param sync funcs)
+  wgrad.py      B/W split of megatron-core linears for the BFW hint
   adapter.py    every megatron-core version difference and CPU redirect
   options.py    --pipeline-schedule / --rrfp-* flags
   trace.py      Chrome/Perfetto traces and PNG timelines
+  bench.py      measured benchmark (emulation.py: identical emulated device time)
+  ledger.py, goodput.py, goodput_recorder.py   the goodput ledger and report
+  train.py      the project's training driver (builders, data, checkpoint, distenv)
+  integration.py, launch.py, megatron_lm_hooks.py   Megatron-LM without edits
 
 The policy modules import no torch; the Megatron-facing names below load lazily.
 """
@@ -30,6 +36,7 @@ _LAZY = {
     "configure": "schedule",
     "last_iteration_report": "schedule",
     "install": "integration",
+    "uninstall": "integration",
 }
 
 
