@@ -43,6 +43,8 @@ class BenchConfig:
     model: str = "gpt"
     """gpt (megatron-core GPTModel, local spec) or multimodal (vision encoder + GPT decoder)."""
     pipeline_size: int = 4
+    num_chunks: int = 1
+    """Model chunks per stage: > 1 compares Megatron's *interleaved* schedule with RRFP on chunks."""
     tensor_parallel: int = 1
     data_parallel: int = 1
     num_microbatches: int = 16
@@ -84,6 +86,8 @@ class BenchConfig:
             raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
         if self.model not in ("gpt", "multimodal"):
             raise ValueError(f"--model {self.model!r}: choose gpt or multimodal")
+        if self.num_chunks < 1 or (self.num_chunks > 1 and self.model != "gpt"):
+            raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt only")
 
 
 # -- what each rank runs --------------------------------------------------------------
@@ -92,13 +96,18 @@ def _build_stage(config: BenchConfig):
     from . import models
 
     if config.model == "gpt":
-        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size)
-        stage = models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed)
+        # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
+        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1)
+        chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
+                                         vp_stage=c if config.num_chunks > 1 else None)
+                  for c in range(config.num_chunks)]
 
         def data(seed: int):
-            return models.synthetic_gpt_batches(seed=seed, micro_batch_size=config.micro_batch_size,
-                                                seq_length=config.seq_length, vocab_size=128)
-        return stage, models.gpt_forward_step, data
+            iterators = [models.synthetic_gpt_batches(seed=seed, micro_batch_size=config.micro_batch_size,
+                                                      seq_length=config.seq_length, vocab_size=128)
+                         for _ in chunks]
+            return iterators if len(chunks) > 1 else iterators[0]
+        return (chunks if len(chunks) > 1 else chunks[0]), models.gpt_forward_step, data
     from .recipes import multimodal
 
     spec = multimodal.MultimodalSpec(seq_length=config.seq_length)
@@ -117,7 +126,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+    from megatron.core.pipeline_parallel.schedules import (forward_backward_pipelining_with_interleaving,
+                                                           forward_backward_pipelining_without_interleaving)
 
     from . import adapter
     from .emulation import DeviceTimeEmulator, SendTimeTable
@@ -129,10 +139,15 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         adapter.enable_cpu_reference_schedules()
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    topology = Topology(pp)
+    topology = Topology(pp, config.num_chunks)
     stage, forward_step, data = _build_stage(config)
-    table = SendTimeTable(table_path, pp, config.num_microbatches, create=False) if table_path else None
-    emulator = DeviceTimeEmulator(stage=stage_index, num_stages=pp, table=table).install()
+    parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
+    megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
+        else forward_backward_pipelining_without_interleaving
+    table = SendTimeTable(table_path, pp, config.num_chunks, config.num_microbatches, create=False) \
+        if table_path else None
+    emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
+                                  table=table).install()
     variability = config.variability_model()
     rank = dist.get_rank()
     results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}
@@ -149,7 +164,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         for iteration in range(config.warmup + config.iterations):
             realization = sample_realization(variability, topology, config.num_microbatches,
                                              seed=config.seed * 100_003 + iteration)
-            for p in stage.parameters():
+            for p in parameters:
                 p.grad = None
             emulator.split_backward = schedule == "rrfp-bfw"
             emulator.begin_iteration(realization)
@@ -161,7 +176,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             recorder.iteration_start(ledger_iteration)
             start = time.time()
             if schedule == "megatron-1f1b":
-                forward_backward_pipelining_without_interleaving(**kwargs)
+                megatron_schedule(**kwargs)
                 own_spans = list(emulator.spans)
                 breakdown = None
             else:
@@ -225,7 +240,7 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     tag = f"{os.getpid()}-{int(time.time())}"
     progress_path = os.path.join(config.out_dir, f".progress-{tag}")
     table_path = shared_table_path(tag)
-    SendTimeTable(table_path, config.pipeline_size, config.num_microbatches, create=True)
+    SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
     open(progress_path, "w").close()
     box: dict = {}
 
@@ -233,6 +248,7 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
         try:
             box["results"] = launch(bench_rank, world_size=world, tp=config.tensor_parallel,
                                     pp=config.pipeline_size, timeout=config.timeout_s,
+                                    vpp=config.num_chunks if config.num_chunks > 1 else None,
                                     args=(config, progress_path, table_path))
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
@@ -268,8 +284,9 @@ def _run_in_this_process(config: BenchConfig) -> dict:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tensor_parallel,
-                                             pipeline_model_parallel_size=config.pipeline_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel, pipeline_model_parallel_size=config.pipeline_size,
+        virtual_pipeline_model_parallel_size=config.num_chunks if config.num_chunks > 1 else None)
     if config.variability_model().c50:
         raise ValueError("message-latency emulation needs the local launcher (it shares send times through "
                          "/dev/shm); under torchrun use --variability j0 or real hardware variability")
@@ -288,7 +305,7 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     first = per_rank[0]["runs"]
     tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
     baseline = statistics.median(first["megatron-1f1b"]["walls"])
-    topology = Topology(config.pipeline_size)
+    topology = Topology(config.pipeline_size, config.num_chunks)
     variability = config.variability_model()
     sims: dict[str, list[float]] = {}
     for iteration in range(config.warmup, config.warmup + config.iterations):
@@ -331,7 +348,8 @@ def _quantile(values: list[float], q: float) -> float:
 
 def format_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"{c['model']} PP={c['pipeline_size']} TP={c['tensor_parallel']} DP={c['data_parallel']} "
+    chunks = f" chunks={c['num_chunks']} (interleaved)" if c["num_chunks"] > 1 else ""
+    lines = [f"{c['model']} PP={c['pipeline_size']}{chunks} TP={c['tensor_parallel']} DP={c['data_parallel']} "
              f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
              f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
              f"{'schedule':<15}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"

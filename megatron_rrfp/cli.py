@@ -82,6 +82,8 @@ def _add_bench(sub) -> None:
                                        else "measure schedules on real megatron-core models (every knob)"))
         p.add_argument("--model", default="gpt", choices=("gpt", "multimodal"))
         p.add_argument("--pp", type=int, default=4, help="pipeline stages (one process each locally)")
+        p.add_argument("--chunks", type=int, default=1,
+                       help="model chunks per stage; > 1 compares Megatron's interleaved schedule with RRFP")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
         p.add_argument("--dp", type=int, default=1, help="data-parallel size")
         p.add_argument("--microbatches", "-m", type=int, default=16)
@@ -113,7 +115,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .simulator import Variability
 
     config = BenchConfig(
-        model=args.model, pipeline_size=args.pp, tensor_parallel=args.tp, data_parallel=args.dp,
+        model=args.model, pipeline_size=args.pp, num_chunks=args.chunks, tensor_parallel=args.tp,
+        data_parallel=args.dp,
         num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
         variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**_workload_variability(args)),

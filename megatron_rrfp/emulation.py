@@ -23,17 +23,20 @@ from typing import Optional
 import numpy as np
 
 from .actions import Kind, Task
+from .hints import megatron_1f1b_order
 from .simulator import Realization
+from .topology import Topology
 from .trace import Span
 
 _F, _B = 0, 1
 
 
 class SendTimeTable:
-    """[stage, direction, microbatch] -> send time (time.time()), shared by local ranks."""
+    """[stage, chunk, direction, microbatch] -> send time (time.time()), shared by local ranks."""
 
-    def __init__(self, path: str, num_stages: int, num_microbatches: int, *, create: bool) -> None:
-        shape = (num_stages, 2, num_microbatches)
+    def __init__(self, path: str, num_stages: int, num_chunks: int, num_microbatches: int, *,
+                 create: bool) -> None:
+        shape = (num_stages, num_chunks, 2, num_microbatches)
         if create:
             np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)[:] = np.nan
         self.path = path
@@ -45,9 +48,15 @@ class SendTimeTable:
 class DeviceTimeEmulator:
     """Install once per process; call ``begin_iteration`` with each iteration's draw."""
 
-    def __init__(self, *, stage: int, num_stages: int, table: Optional[SendTimeTable],
+    def __init__(self, *, stage: int, topology: Topology, num_microbatches: int, table: Optional[SendTimeTable],
                  split_backward: bool = False) -> None:
-        self.stage, self.num_stages, self.table, self.split_backward = stage, num_stages, table, split_backward
+        self.stage, self.topology, self.table, self.split_backward = stage, topology, table, split_backward
+        # Megatron receives in its own schedule's order: the k-th forward (backward) receive
+        # feeds the k-th forward (backward) of megatron_1f1b_order that has a sender.
+        order = megatron_1f1b_order(stage, topology, num_microbatches)
+        self._receive_order = (
+            [t for t in order if t.kind is Kind.F and topology.upstream(stage, t.chunk) is not None],
+            [t for t in order if t.kind is Kind.B and topology.downstream(stage, t.chunk) is not None])
         self.realization: Optional[Realization] = None
         self.spans: list[Span] = []
         self.rank = 0
@@ -72,40 +81,41 @@ class DeviceTimeEmulator:
 
         @functools.wraps(forward_step)  # adapter reads the real signature through __wrapped__
         def emulated_forward_step(*args, **kwargs):
-            mb = kwargs.get("current_microbatch")
+            task = Task(Kind.F, kwargs.get("current_microbatch"), kwargs.get("vp_stage") or 0)
             start = time.time()
-            emulator._sleep(Task(Kind.F, mb))
+            emulator._sleep(task)
             output, num_tokens = forward_step(*args, **kwargs)
             end = time.time()
             first = output[0] if isinstance(output, list) else output
-            emulator._output_microbatch[id(first)] = mb
-            emulator._sent(_F, mb, end)
-            emulator._span(Task(Kind.F, mb), start, end)
+            emulator._output_microbatch[id(first)] = task
+            emulator._sent(_F, task, end)
+            emulator._span(task, start, end)
             return output, num_tokens
 
         @functools.wraps(backward_step)
         def emulated_backward_step(input_tensor, output_tensor, *args, **kwargs):
             first = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
-            mb = emulator._output_microbatch.pop(id(first))
+            forward = emulator._output_microbatch.pop(id(first))
+            task = Task(Kind.B, forward.microbatch, forward.chunk)
             start = time.time()
-            emulator._sleep(Task(Kind.B, mb))
+            emulator._sleep(task)
             grads = backward_step(input_tensor, output_tensor, *args, **kwargs)
             end = time.time()
-            emulator._sent(_B, mb, end)
-            emulator._span(Task(Kind.B, mb), start, end)
+            emulator._sent(_B, task, end)
+            emulator._span(task, start, end)
             return grads
 
         @functools.wraps(communicate)
         def emulated_communicate(self_, *args, **kwargs):
             recv_prev, recv_next = kwargs.get("recv_prev", False), kwargs.get("recv_next", False)
             result = communicate(self_, *args, **kwargs)
-            # Megatron receives in microbatch order (1F1B): the k-th receive is microbatch k
-            if recv_prev:
-                emulator._await_latency(_F, emulator.stage - 1, emulator._received[0])
-                emulator._received[0] += 1
-            if recv_next:
-                emulator._await_latency(_B, emulator.stage + 1, emulator._received[1])
-                emulator._received[1] += 1
+            for direction, wanted in ((_F, recv_prev), (_B, recv_next)):
+                if wanted:
+                    task = emulator._receive_order[direction][emulator._received[direction]]
+                    emulator._received[direction] += 1
+                    delay = emulator._usable_at(direction, task) - time.time()
+                    if delay > 0:
+                        time.sleep(delay)
             return result
 
         from . import wgrad
@@ -139,8 +149,8 @@ class DeviceTimeEmulator:
     def message_delay(self, message) -> float:
         """Seconds the transport holds ``message`` back: until send time + latency."""
         direction = _F if message.kind == "activation" else _B
-        src_stage = self.stage - 1 if direction == _F else self.stage + 1
-        return max(0.0, self._usable_at(direction, src_stage, message.microbatch) - time.time())
+        task = Task(Kind.F if direction == _F else Kind.B, message.microbatch, message.chunk)
+        return max(0.0, self._usable_at(direction, task) - time.time())
 
     # -- internals -------------------------------------------------------------------
 
@@ -148,26 +158,26 @@ class DeviceTimeEmulator:
         if self.realization is not None:
             time.sleep(self.realization.duration(self.stage, task, self.split_backward))
 
-    def _sent(self, direction: int, mb: int, when: float) -> None:
+    def _sent(self, direction: int, task: Task, when: float) -> None:
         if self.table is not None:
-            self.table.table[self.stage, direction, mb] = when
+            self.table.table[self.stage, task.chunk, direction, task.microbatch] = when
 
-    def _usable_at(self, direction: int, src_stage: int, mb: int) -> float:
+    def _usable_at(self, direction: int, receiver: Task) -> float:
+        """When the input of ``receiver`` (this stage's task) may be used: its sender's
+        send time + that message's latency, and never before the previous message."""
         if self.table is None or self.realization is None:
             return 0.0
-        sent = float(self.table.table[src_stage, direction, mb])
+        locate = self.topology.upstream if direction == _F else self.topology.downstream
+        src_stage, src_chunk = locate(self.stage, receiver.chunk)
+        mb = receiver.microbatch
+        sent = float(self.table.table[src_stage, src_chunk, direction, mb])
         if sent != sent:  # NaN: not recorded
             return 0.0
         latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
-        # messages arrive in the order sent (FIFO link): never before the previous one
-        usable = max(sent + latencies[src_stage][0][mb], self._link_clear[direction])
+        # one sender per direction: messages arrive in the order sent (FIFO link)
+        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear[direction])
         self._link_clear[direction] = usable
         return usable
-
-    def _await_latency(self, direction: int, src_stage: int, mb: int) -> None:
-        delay = self._usable_at(direction, src_stage, mb) - time.time()
-        if delay > 0:
-            time.sleep(delay)
 
     def _span(self, task: Task, start: float, end: float) -> None:
         self.spans.append(Span(self.rank, str(task), task.kind.value, start - self._t0, end - self._t0))
