@@ -133,18 +133,12 @@ def synthetic_gpt_batches(*, seed: int, micro_batch_size: int, seq_length: int,
     [b, s] int64; loss_mask [b, s] float; attention_mask [1, 1, s, s] bool, True where
     attention is *blocked* (causal).
     """
+    from .data import gpt_batch  # one definition of Megatron-LM's get_batch layout
+
     generator = torch.Generator().manual_seed(seed)
-    blocked = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)
-    position_ids = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, -1)
     while True:
         text = torch.randint(vocab_size, (micro_batch_size, seq_length + 1), generator=generator)
-        yield {
-            "tokens": text[:, :-1].contiguous(),
-            "labels": text[:, 1:].contiguous(),
-            "loss_mask": torch.ones(micro_batch_size, seq_length),
-            "attention_mask": blocked.view(1, 1, seq_length, seq_length).clone(),
-            "position_ids": position_ids.clone(),
-        }
+        yield gpt_batch(text.numpy(), torch.device("cpu"))
 
 
 def gpt_forward_step(data_iterator, model: GPTModel):
