@@ -370,16 +370,22 @@ _INITIALIZE_MODULE = "megatron.training.initialize"
 _FUSED_KERNELS_MODULE = "megatron.legacy.fused_kernels"  # <= 0.16 only
 
 
+def _optional_training_module(name: str) -> Optional[types.ModuleType]:
+    """Import a megatron.training module; None where the training package is absent. A
+    training package that is there but fails to import (a missing dependency) raises."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("megatron", "megatron.training", name):
+            return None
+        raise
+
+
 def megatron_arguments_module() -> Optional[types.ModuleType]:
     """megatron.training.arguments, or None on a megatron-core-only install (e.g. the
     0.16.1 wheel) where Megatron-LM's training package is absent. A training package
     that is there but fails to import (a missing dependency) raises as usual."""
-    try:
-        return importlib.import_module(_ARGUMENTS_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name in ("megatron", "megatron.training", _ARGUMENTS_MODULE):
-            return None
-        raise
+    return _optional_training_module(_ARGUMENTS_MODULE)
 
 
 def schedule_lookup_modules() -> list[types.ModuleType]:
@@ -662,12 +668,7 @@ TRAINING_LOOP_NAMES = TrainingLoopNames()  # the same in 0.16.1 and 0.19.0
 
 def megatron_training_module() -> Optional[types.ModuleType]:
     """megatron.training.training, or None without Megatron-LM's training package."""
-    try:
-        return importlib.import_module(_TRAINING_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name in ("megatron", "megatron.training", _TRAINING_MODULE):
-            return None
-        raise
+    return _optional_training_module(_TRAINING_MODULE)
 
 
 def megatron_lm_globals() -> tuple:
