@@ -107,7 +107,7 @@ def spawn_local(nproc: int, command: Sequence[str], *, env: Optional[dict] = Non
     try:
         for rank in range(nproc):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen(list(command), env=child_env, preexec_fn=_die_with_parent))
+            procs.append(subprocess.Popen(list(command), env=child_env, preexec_fn=die_with_parent))
         return _wait(procs, timeout_s)
     finally:
         for proc in procs:  # only alive here on an exception or timeout
@@ -160,11 +160,14 @@ def _launcher_says(message: str) -> None:
     print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL us if the launching process dies."""
+def die_with_parent(parent_pid: Optional[int] = None) -> None:
+    """Linux, in a child: SIGKILL it if the launching process dies (no orphaned ranks).
+    With ``parent_pid``, also exit at once if that parent already died before prctl."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)

@@ -29,6 +29,8 @@ import tempfile
 import time
 import traceback
 
+from ..distenv import die_with_parent
+
 __all__ = ["DistributedTestFailure", "RankOutcome", "launch"]
 
 # How long the other ranks get to finish (usually: fail too) after the first rank fails.
@@ -327,7 +329,7 @@ _KEEP_OPEN: list = []  # files faulthandler writes to must outlive _child_main's
 
 def _child_main(spec: _RankSpec) -> None:
     _redirect_stdio(spec)
-    _die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid)  # SIGKILL this rank if the launcher (e.g. pytest) dies
     os.environ.update(spec.env)
     import faulthandler
 
@@ -363,19 +365,6 @@ def _redirect_stdio(spec: _RankSpec) -> None:
         stream.flush()
         os.dup2(target, fd)
         os.close(target)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this rank if the launching process dies (e.g. pytest is killed)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _setup(spec: _RankSpec) -> None:
