@@ -47,7 +47,6 @@ class GradSyncController:
         self._grad_sync = None if forward_only else _per_chunk(config.grad_sync_func, len(models))
         self._param_sync = None if forward_only else _per_chunk(config.param_sync_func, len(models))
         self._backwards_left = [num_microbatches] * len(models)
-        self._forwards_run = [0] * len(models)
         self._synced: set[int] = set()
         self._context = None
 
@@ -71,10 +70,9 @@ class GradSyncController:
             for chunk in range(min(2, len(self.models))):
                 self._param_sync[chunk](self.models[chunk].parameters())
 
-    def before_forward(self, chunk: int) -> None:
-        self._forwards_run[chunk] += 1
+    def before_forward(self, chunk: int, first_of_chunk: bool) -> None:
         nxt = chunk + 1
-        if self._param_sync is not None and self._forwards_run[chunk] == 1 and 1 < nxt < len(self.models):
+        if self._param_sync is not None and first_of_chunk and 1 < nxt < len(self.models):
             self._param_sync[nxt](self.models[nxt].parameters())
 
     def before_backward(self, chunk: int) -> None:

@@ -201,7 +201,7 @@ class MegatronStageWork:
         store: list = []
         first = self._forwards_run[chunk] == 0
         self._forwards_run[chunk] += 1
-        self.grad_sync.before_forward(chunk)
+        self.grad_sync.before_forward(chunk, first_of_chunk=first)
         output, num_tokens = adapter.forward_step(
             self.forward_step_func, self.feeds[chunk].view(mb), self.models[chunk], self.num_microbatches,
             inputs, store, self.config, cp_group_size=self.cp_size,
