@@ -1,42 +1,39 @@
 """megatron-rrfp: readiness-first pipeline-parallel training for Megatron-core.
 
-Where things live:
-  actions.py    Task (F/B/W, microbatch, chunk) and its string form "0F3"
-  topology.py   who feeds whom (interleaved virtual stages)
-  hints.py      hint orders: bf, bfw, 1f1b, gpipe, explicit lists
-  arbiter.py    the policy: (ready set, stage state) -> next task; backpressure
-  simulator.py  discrete-event simulator driving the same arbiter
-  transport.py  message-driven p2p: sender/receiver threads, directed process groups
-  agreement.py  tensor-parallel agreement: one ready-set exchange per decision
-  executor.py   the runtime loop of one rank (framework-agnostic)
-  schedule.py   Megatron-core's schedule contract: forward_backward_rrfp
-  grad_sync.py  when gradient reductions may run (no_sync, grad/param sync funcs)
-  wgrad.py      B/W split of megatron-core linears for the BFW hint
-  adapter.py    every megatron-core version difference and CPU redirect
-  options.py    --pipeline-schedule / --rrfp-* flags
-  trace.py      Chrome/Perfetto traces and PNG timelines
-  bench.py      measured benchmark (emulation.py: identical emulated device time)
-  ledger.py, goodput.py, goodput_recorder.py   the goodput ledger and report
-  train.py      the project's training driver (builders, data, checkpoint, distenv)
-  integration.py, launch.py, megatron_lm_hooks.py   Megatron-LM without edits
+Where things live (one folder per concern; the arrows only point down this list):
 
-The policy modules import no torch; the Megatron-facing names below load lazily.
+  policy/       the arbitration policy, torch-free: Task "0F3" (actions), layout
+                (topology), hints, the Arbiter, plans and their dry run
+  sim/          the simulator: the policy's dry run under sampled variability, lower
+                bounds, `megatron-rrfp simulate`
+  trace/        Chrome/Perfetto traces and PNG timelines of simulated and measured runs
+  runtime/      one rank's runtime: the readiness-first loop (executor), the message
+                transport, the tensor-parallel agreement
+  mcore/        Megatron-core's schedule contract: forward_backward_rrfp, version
+                differences (compat), CPU redirects, grad sync, B/W split (wgrad)
+  megatron_lm/  Megatron-LM without edits: install(), the --rrfp-* flags, the launcher,
+                goodput/trace hooks around its training loop
+  goodput/      the goodput ledger (writer, reader), accounting, recorder, report
+  dist/         where a process sits in a job; the local multi-process launcher
+  bench/        measured benchmarks with emulated device time, `bench` / `demo`
+  train/        `megatron-rrfp train`: driver, config, builders, models, data,
+                checkpoints, the multimodal recipe
+
+The policy names below import no torch; the Megatron-facing names load lazily.
 """
-from .actions import Kind, Task
-from .arbiter import Arbiter, ArbiterConfig
-from .hints import HintError, make_hint
-from .topology import Topology
+from .policy import Arbiter, ArbiterConfig, HintError, Kind, Plan, Task, Topology, make_hint
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
-    "forward_backward_rrfp": "schedule",
-    "get_forward_backward_func": "schedule",
-    "RRFPConfig": "schedule",
-    "configure": "schedule",
-    "last_iteration_report": "schedule",
-    "install": "integration",
-    "uninstall": "integration",
+    "forward_backward_rrfp": "mcore.schedule",
+    "get_forward_backward_func": "mcore.schedule",
+    "last_iteration_report": "mcore.schedule",
+    "RRFPConfig": "mcore.config",
+    "configure": "mcore.config",
+    "shutdown": "mcore.session",
+    "install": "megatron_lm.install",
+    "uninstall": "megatron_lm.install",
 }
 
 
@@ -48,5 +45,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'megatron_rrfp' has no attribute {name!r}")
 
 
-__all__ = ["Arbiter", "ArbiterConfig", "HintError", "Kind", "Task", "Topology", "make_hint", "__version__",
-           *_LAZY]
+__all__ = ["Arbiter", "ArbiterConfig", "HintError", "Kind", "Plan", "Task", "Topology", "__version__",
+           "make_hint", *_LAZY]

@@ -22,13 +22,18 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rrfp import adapter, models
-    from megatron_rrfp.schedule import RRFPConfig, agreement_group, forward_backward_rrfp, last_iteration_report
+    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
+    from megatron_rrfp.mcore.session import agreement_group
+    from megatron_rrfp.train import models
 
-    adapter.enable_cpu_reference_schedules()
+    enable_cpu_reference_schedules()
     config = models.tiny_gpt_config()
     model = models.build_gpt_stage(config, vocab_size=64, seq_length=16, seed=1)
-    options = RRFPConfig(task_delay=lambda t: f0_s * (1 if t.kind.value == "F" else 2))
+    delay_tasks(lambda t: f0_s * (1 if t.kind.value == "F" else 2))  # emulated device time
+    options = RRFPConfig()
     walls, rounds, inside = [], [], []
     for it in range(iterations + 1):
         data = models.synthetic_gpt_batches(seed=it, micro_batch_size=2, seq_length=16, vocab_size=64)
@@ -40,7 +45,7 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
             rounds.append(report.agree_rounds)
             inside.append(report.agree_s)
     # back-to-back exchange latency on the same agreement group
-    from megatron_rrfp.agreement import TPAgreement
+    from megatron_rrfp.runtime.agreement import TPAgreement
 
     agreement = TPAgreement(agreement_group(), num_microbatches=num_microbatches, num_chunks=1,
                             split_backward=False, forward_only=False)
@@ -64,7 +69,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=5)
     args = parser.parse_args()
-    from megatron_rrfp.testing import launch
+    from megatron_rrfp.dist.launcher import launch
 
     results = launch(body, world_size=4, tp=2, pp=2, timeout=600,
                      args=(args.f0_ms / 1000, args.microbatches, args.iterations))

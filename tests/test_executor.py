@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from megatron_rrfp.testing import DistributedTestFailure, launch
-from megatron_rrfp.testing.equivalence import Case, run_cases
-from megatron_rrfp.testing.failures import api_contract, stress, unresponsive_peer
+from helpers.equivalence import Case, run_cases
+from helpers.failures import api_contract, stress, unresponsive_peer
+from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
 
 TOL = 1e-5
 

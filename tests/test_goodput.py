@@ -23,10 +23,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rrfp import ledger as ledger_module
-from megatron_rrfp.goodput import CATEGORIES, GoodputRecorder, goodput_report, publish_to_timers
-from megatron_rrfp.goodput_recorder import TIMER_NAMES, extend_timer_logging
-from megatron_rrfp.ledger import LedgerBusyError, LedgerError, LedgerWarning, LedgerWriter, load_ledger
+from megatron_rrfp.goodput import (
+    CATEGORIES,
+    GoodputRecorder,
+    LedgerBusyError,
+    LedgerError,
+    LedgerWarning,
+    LedgerWriter,
+    goodput_report,
+    load_ledger,
+)
+from megatron_rrfp.goodput import writer as ledger_module
+from megatron_rrfp.goodput.recorder import TIMER_NAMES, extend_timer_logging, publish_to_timers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,7 +205,7 @@ def test_rank_breakdowns_are_recorded_as_min_median_max(tmp_path):
 
     def gather(vector):  # what all_gather_vectors returns on 3 ranks
         nonlocal vectors
-        from megatron_rrfp.goodput_recorder import breakdown_vector
+        from megatron_rrfp.goodput.recorder import breakdown_vector
         vectors = [breakdown_vector(r, 0.01 * i) for i, r in enumerate(per_rank)]
         return vectors
 
@@ -234,23 +242,29 @@ def _rrfp_job_with_recorder(path: str):
     import torch.distributed as dist
     from megatron.core.timers import Timers
 
-    from megatron_rrfp import adapter, models
-    from megatron_rrfp.goodput_recorder import breakdown_vector
-    from megatron_rrfp.schedule import RRFPConfig, forward_backward_rrfp, last_iteration_report, shutdown
+    from helpers import mlp
+    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.goodput.recorder import breakdown_vector
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
+    from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.train import models
 
-    adapter.enable_cpu_reference_schedules()  # CPU stand-ins for megatron.core.timers' CUDA calls
+    enable_cpu_reference_schedules()  # CPU stand-ins for megatron.core.timers' CUDA calls
     rank = dist.get_rank()
-    model = models.build_mlp_stage(models.tiny_gpt_config(), seed=3)
+    model = mlp.build_mlp_stage(models.tiny_gpt_config(), seed=3)
     timers = Timers(log_level=1, log_option="minmax")
     extend_timer_logging(timers)
     recorder = GoodputRecorder(path, rank=rank, world=dist.get_world_size(), job="rrfp-e2e")
     recorder.job_start()
-    options = RRFPConfig(task_delay=lambda task: 0.02 if rank == 1 else 0.0)
+    delay_tasks(lambda task: 0.02 if rank == 1 else 0.0)
+    options = RRFPConfig()
     vectors = []
     for it in (1, 2, 3):
         recorder.iteration_start(it)
-        data = models.synthetic_mlp_batches(seed=it, micro_batch_size=2, seq_length=8, hidden_size=32)
-        forward_backward_rrfp(forward_step_func=models.mlp_forward_step, data_iterator=data, model=model,
+        data = mlp.synthetic_mlp_batches(seed=it, micro_batch_size=2, seq_length=8, hidden_size=32)
+        forward_backward_rrfp(forward_step_func=mlp.mlp_forward_step, data_iterator=data, model=model,
                               num_microbatches=4, seq_length=8, micro_batch_size=2, rrfp_config=options)
         report = last_iteration_report()
         vectors.append(breakdown_vector(report))
@@ -270,7 +284,7 @@ def _rrfp_job_with_recorder(path: str):
 
 @pytest.mark.timeout(300)
 def test_real_rrfp_iterations_on_two_ranks_fill_ledger_and_megatron_timers(tmp_path):
-    from megatron_rrfp.testing import launch
+    from megatron_rrfp.dist.launcher import launch
 
     path = str(tmp_path / "goodput.db")
     (vectors0, log0), (vectors1, _) = launch(_rrfp_job_with_recorder, world_size=2, timeout=270, args=(path,))
@@ -294,7 +308,7 @@ def test_real_rrfp_iterations_on_two_ranks_fill_ledger_and_megatron_timers(tmp_p
 
 _WRITER_LOOP = r"""
 import sys
-from megatron_rrfp.ledger import LedgerWriter
+from megatron_rrfp.goodput import LedgerWriter
 writer = LedgerWriter(sys.argv[1], job="killed")
 i = 0
 while True:

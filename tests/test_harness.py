@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from megatron_rrfp.testing import DistributedTestFailure, launch
-from megatron_rrfp.testing import launcher as launcher_module
+from megatron_rrfp.dist import launcher as launcher_module
+from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
 
 SEQ, MBS, VOCAB, MICROBATCHES = 8, 2, 64, 4
 
@@ -65,8 +65,8 @@ def _mlp_1f1b_losses() -> list[float]:
     """Run megatron-core's own schedule over MLPStage; per-microbatch losses (last stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rrfp import models
-    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()
     config = models.tiny_gpt_config(num_layers=4, hidden_size=16, ffn_hidden_size=32)
@@ -88,8 +88,8 @@ def _gpt_grads(full_state=None, vpp=None) -> dict:
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rrfp import models
-    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()
     # Interleaved at PP=2 needs unbatched p2p (batched gives wrong gradients, see adapter).

@@ -1,4 +1,4 @@
-"""megatron_rrfp.integration, .launch and patches/apply.sh, against what is installed.
+"""megatron_rrfp.megatron_lm (install, launch) and patches/apply.sh, against what is installed.
 
     python -m pytest tests/test_integration.py -q        # ~1 min on 2 cores
 
@@ -23,8 +23,8 @@ import types
 
 import pytest
 
-from megatron_rrfp import integration
-from megatron_rrfp.testing import launch
+from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.megatron_lm import install as integration
 
 REAL_TRAINING = importlib.util.find_spec("megatron.training") is not None
 ARGS_PATH = "megatron.training" if REAL_TRAINING else "stand-in"
@@ -167,7 +167,8 @@ def test_rrfp_flags_without_the_rrfp_schedule_are_an_error(arguments, monkeypatc
 def test_cli_rrfp_routes_with_the_flags_options_and_1f1b_restores(arguments, monkeypatch):
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_rrfp.schedule import configure, forward_backward_rrfp
+    from megatron_rrfp.mcore.config import configure
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp
 
     original = _megatron_lookup()
     _parse(arguments, monkeypatch, ["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "16", "--rrfp-strict",
@@ -189,8 +190,8 @@ def _lookups_under_rrfp() -> dict:
     import megatron.core.pipeline_parallel as pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_rrfp import integration as integ
-    from megatron_rrfp.schedule import forward_backward_rrfp
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp
+    from megatron_rrfp.megatron_lm import install as integ
 
     original = schedules.get_forward_backward_func
     megatron_choice = original()
@@ -245,7 +246,7 @@ def test_modules_that_imported_the_lookup_by_name_are_rerouted(monkeypatch):
 
 
 def test_schedule_pg_collection_keyword_of_0_19_decides_the_pipeline_size():
-    from megatron_rrfp.schedule import forward_backward_rrfp
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp
 
     class _Group:
         def size(self):
@@ -257,7 +258,7 @@ def test_schedule_pg_collection_keyword_of_0_19_decides_the_pipeline_size():
 
 
 def test_programmatic_install_validates_and_announces_once(capsys):
-    from megatron_rrfp.schedule import configure
+    from megatron_rrfp.mcore.config import configure
 
     with pytest.raises(ValueError, match="choose one of 1f1b, rrfp"):
         integration.install(schedule="gpipe")
@@ -325,7 +326,7 @@ def _run_launcher(tmp_path, *launcher_args, env_extra=None) -> dict:
     proc = subprocess.run([sys.executable, "-m", "megatron_rrfp.launch", *args], env=env, capture_output=True,
                           text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("PROBE "))
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("PROBE "))
     return {"script": str(script), **json.loads(line[len("PROBE "):])}
 
 
@@ -348,7 +349,7 @@ def test_launcher_cpu_mode_redirects_cuda_calls(tmp_path, how):
 
 
 def test_launcher_rejects_a_missing_script(tmp_path, capsys):
-    from megatron_rrfp.launch import main
+    from megatron_rrfp.megatron_lm.launch import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "no_such_script.py")])
@@ -383,7 +384,7 @@ def test_patches_add_only_the_install_line():
     for name in ("megatron-lm-core_v0.16.1.patch", "megatron-lm-core_v0.19.0.patch"):
         with open(os.path.join(REPO, "patches", name)) as f:
             lines = f.read().splitlines()
-        added = [l for l in lines if l.startswith("+") and not l.startswith("+++")]
-        removed = [l for l in lines if l.startswith("-") and not l.startswith("---")]
+        added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
+        removed = [line for line in lines if line.startswith("-") and not line.startswith("---")]
         assert added == ["+import megatron_rrfp; megatron_rrfp.install()"] * 2 and removed == [], name
-        assert not any("copyright" in l.lower() for l in lines), name
+        assert not any("copyright" in line.lower() for line in lines), name

@@ -7,11 +7,10 @@ losses and every gradient within 1e-5 and the executed order asserted to differ.
 from __future__ import annotations
 
 import pytest
-
-from megatron_rrfp.testing import launch
-from megatron_rrfp.testing.interleaved import compare_interleaved
-
 from test_executor import _check
+
+from helpers.interleaved import compare_interleaved
+from megatron_rrfp.dist.launcher import launch
 
 
 @pytest.mark.timeout(400)

@@ -6,7 +6,7 @@ CI has no megatron.training, so the hooks are exercised against a STAND-IN for
 ``megatron.training.training``, written for these tests (no Megatron-LM code): a module
 object whose pretrain / train call setup_model_and_optimizer, load_checkpoint,
 save_checkpoint_and_time, save_checkpoint and train_step through the module's globals, as
-Megatron-LM's do (adapter.py, "Megatron-LM training-loop hooks"). Its train_step stands
+Megatron-LM's do (megatron_lm/hookpoints.py, "Megatron-LM training-loop hooks"). Its train_step stands
 in for the RRFP schedule by publishing a measured IterationReport with spans. The
 ledger is the real SQLite one, read back through goodput_report. The last test checks
 the real megatron.training.training when it is importable (a Megatron-LM checkout on
@@ -25,12 +25,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rrfp import adapter, integration
-from megatron_rrfp.actions import Kind, Task
-from megatron_rrfp.executor import IterationReport
-from megatron_rrfp.goodput import goodput_report
-from megatron_rrfp.ledger import load_ledger
-from megatron_rrfp.megatron_lm_hooks import HookOptions, MegatronLMHooks, TraceWarning, trace_due
+from megatron_rrfp.goodput import goodput_report, load_ledger
+from megatron_rrfp.megatron_lm import hookpoints as adapter
+from megatron_rrfp.megatron_lm import install as integration
+from megatron_rrfp.megatron_lm.hooks import HookOptions, MegatronLMHooks, TraceWarning, trace_due
+from megatron_rrfp.policy.actions import Kind, Task
+from megatron_rrfp.runtime.report import IterationReport
 from megatron_rrfp.trace import Span
 
 # The stand-in (see the module docstring). ARGS, SAVED and the schedule STEP are set by

@@ -1,4 +1,4 @@
-"""The LLaVA-style recipe (megatron_rrfp.recipes.multimodal) on CPU.
+"""The LLaVA-style recipe (megatron_rrfp.train.recipes.multimodal) on CPU.
 
 PP=2: RRFP under random task delays against megatron-core's own 1F1B, same model and
 data: per-microbatch losses and every gradient within 1e-5 (relative, fp32), and the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rrfp.testing import launch
-from megatron_rrfp.testing.equivalence import Case, run_cases
+from helpers.equivalence import Case, run_cases
+from megatron_rrfp.dist.launcher import launch
 
 TOL = 1e-5
 
@@ -40,10 +40,10 @@ def _encoder_work(counts_per_batch: list[list[int]]) -> dict:
     tokens the ViT processed for each, the output shapes and whether all params got grads."""
     import torch
 
-    from megatron_rrfp import adapter
-    from megatron_rrfp.recipes import multimodal as mm
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.train.recipes import multimodal as mm
 
-    adapter.enable_cpu_reference_schedules()
+    enable_cpu_reference_schedules()
     spec = mm.MultimodalSpec()
     stage = mm.build_multimodal_stage(mm.multimodal_config(), spec, seed=3)
     batches = mm.synthetic_multimodal_batches(spec, seed=7, micro_batch_size=len(counts_per_batch[0]))
@@ -74,7 +74,7 @@ def test_encoder_work_grows_with_images():
 def test_synthetic_batches_are_deterministic_capped_and_laid_out():
     import torch
 
-    from megatron_rrfp.recipes import multimodal as mm
+    from megatron_rrfp.train.recipes import multimodal as mm
 
     spec = mm.MultimodalSpec(max_images=2, tokens_per_image=4, seq_length=16)
     a = mm.synthetic_multimodal_batches(spec, seed=1, micro_batch_size=4, images_per_sample_mean=1.5)

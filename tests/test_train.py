@@ -33,7 +33,8 @@ def train(*flags: str, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.Complete
 
 
 def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, \
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
     found = {int(m.group(1)): float(m.group(4)) for m in LOSS_LINE.finditer(result.stdout)}
     assert found, f"no loss lines in:\n{result.stdout}"
     return found
@@ -100,8 +101,8 @@ def test_impossible_layouts_fail_before_starting_ranks():
 
 
 def test_flags_and_train_config_agree():
-    from megatron_rrfp.train import build_parser
-    from megatron_rrfp.train_config import TrainConfig, from_args, to_argv
+    from megatron_rrfp.train.config import TrainConfig, from_args, to_argv
+    from megatron_rrfp.train.driver import build_parser
 
     parser = build_parser()
     assert from_args(parser.parse_args([])) == TrainConfig()
@@ -118,7 +119,7 @@ def test_flags_and_train_config_agree():
 def test_samples_follow_megatrons_sampler_and_token_files_read_back(tmp_path):
     import torch
 
-    from megatron_rrfp import data
+    from megatron_rrfp.train import data
 
     def source(dp_rank, **kw):
         return data.SyntheticTokens(vocab_size=64, seed=3, seq_length=8, micro_batch_size=2, dp_rank=dp_rank,
@@ -143,7 +144,7 @@ def test_samples_follow_megatrons_sampler_and_token_files_read_back(tmp_path):
 
 
 def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():
-    from megatron_rrfp.distenv import detect
+    from megatron_rrfp.dist.env import detect
 
     torchrun = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "6000",
                        "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})

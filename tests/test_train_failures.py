@@ -8,8 +8,8 @@
   uninterrupted run's;
 * a ledger in a read-only directory: a warning, and training completes.
 
-A rank is killed by the driver's test-only fault-injection hook (RRFP_TEST_KILL_RANK /
-RRFP_TEST_KILL_AT_ITER, ``megatron_rrfp.train._fault_injection``). Every launch is a
+A rank is killed by a fault-injection hook this test installs from outside the package
+(``helpers/fault_site/sitecustomize.py`` on the job's PYTHONPATH). Every launch is a
 subprocess started here, with a timeout; ``--nproc`` ranks die with their launcher, so
 killing the launcher (ours) leaves nothing behind. Ledger write failures mid-write and
 corrupt / missing ledgers are covered by tests/test_goodput.py.
@@ -39,9 +39,10 @@ TINY = ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--pipel
         "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0", "--train-iters", "8", "--log-interval", "1"]
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/(\d+) \| schedule (\S+) \| lm loss (\S+) \|")
 LAUNCH_TIMEOUT_S = 120
+FAULT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fault_site")
 # From the kill to the command's exit: the survivor notices (a dead peer at once through
 # the transport, a silent one after --rrfp-timeout), reports, and exits. The launcher
-# would SIGKILL it after distenv.GRACE_S = 10 s; staying below that shows it left on its own.
+# would SIGKILL it after dist.launcher.GRACE_S = 10 s; staying below that shows it left on its own.
 EXIT_BOUND_S = RRFP_TIMEOUT_S + 4.0
 
 
@@ -69,9 +70,10 @@ def launch(*flags: str, kill_rank: int | None = None, kill_at: int | None = None
     """``megatron-rrfp train FLAGS``, optionally SIGKILLing rank ``kill_rank`` in iteration
     ``kill_at``; its output is read line by line with arrival times."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONWARNINGS", "RRFP_TEST_KILL_RANK", "RRFP_TEST_KILL_AT_ITER")}  # default warnings
+           if k not in ("PYTHONWARNINGS", "RRFP_FAULT_KILL_RANK", "RRFP_FAULT_KILL_AT_ITER")}  # default warnings
     if kill_rank is not None:
-        env.update(RRFP_TEST_KILL_RANK=str(kill_rank), RRFP_TEST_KILL_AT_ITER=str(kill_at))
+        env.update(RRFP_FAULT_KILL_RANK=str(kill_rank), RRFP_FAULT_KILL_AT_ITER=str(kill_at),
+                   PYTHONPATH=os.pathsep.join(filter(None, [FAULT_SITE, env.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rrfp.cli", "train", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines: list = []
@@ -206,7 +208,7 @@ def test_a_ledger_in_a_read_only_directory_warns_and_training_completes(tmp_path
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_ledger_another_live_job_writes_fails_every_rank_before_training(tmp_path):
-    from megatron_rrfp.ledger import LedgerWriter
+    from megatron_rrfp.goodput import LedgerWriter
 
     ledger = tmp_path / "goodput.db"
     other_job = LedgerWriter(str(ledger), job="another job")  # holds the job lock, as a live job would
@@ -223,7 +225,7 @@ def test_a_ledger_another_live_job_writes_fails_every_rank_before_training(tmp_p
 
 
 def test_train_help_documents_the_goodput_ledger():
-    from megatron_rrfp.train import build_parser
+    from megatron_rrfp.train.driver import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "--rrfp-goodput-ledger PATH" in text
@@ -234,9 +236,10 @@ def test_train_help_documents_the_goodput_ledger():
 def test_a_ledger_writer_that_cannot_start_only_warns_and_still_joins_the_gathers(monkeypatch):
     import torch.distributed as dist
 
-    from megatron_rrfp import builders, goodput_recorder
-    from megatron_rrfp.ledger import LedgerWarning
-    from megatron_rrfp.train_config import TrainConfig
+    from megatron_rrfp.goodput import LedgerWarning
+    from megatron_rrfp.goodput import recorder as goodput_recorder
+    from megatron_rrfp.train import builders
+    from megatron_rrfp.train.config import TrainConfig
 
     def broken_writer(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -1,4 +1,4 @@
-"""B/W split of megatron-core linears (megatron_rrfp.wgrad) against the unsplit backward.
+"""B/W split of megatron-core linears (megatron_rrfp.mcore.wgrad) against the unsplit backward.
 
     python -m pytest tests/test_wgrad.py -q -s       # ~1 min on 2 cores; -s prints memory
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rrfp.testing import launch
+from megatron_rrfp.dist.launcher import launch
 
 SEQ, MBS, VOCAB, MICROBATCHES = 16, 2, 64, 4
 B_ORDER = [2, 0, 3, 1]
@@ -28,7 +28,7 @@ def _build(kind: str, ddp: str, *, pre_process: bool):
     """(stage, model-to-call, run-microbatch) for kind 'gpt' | 'mlp' and ddp '' | 'ddp' | 'overlap'."""
     import torch
 
-    from megatron_rrfp import models
+    from megatron_rrfp.train import models
 
     config = models.tiny_gpt_config()
     if kind == "gpt":
@@ -73,7 +73,7 @@ def _backward(stage, loss, hidden_in) -> None:
     if hidden_in is None:
         loss.backward()
         return
-    from megatron_rrfp import adapter
+    from megatron_rrfp.mcore import compat as adapter
 
     (grad,) = adapter.backward_step([hidden_in], [loss], [None], adapter.model_type(stage), stage.config)
     assert grad is hidden_in.grad
@@ -123,7 +123,7 @@ def _split(kind, ddp, pre_process):
     B and W inside no_sync (wgrad's contract), then finish_grad_sync."""
     import contextlib
 
-    from megatron_rrfp import wgrad
+    from megatron_rrfp.mcore import wgrad
 
     stage, model, batches, inputs = _build(kind, ddp, pre_process=pre_process)
     wgrad.install([model])
@@ -166,7 +166,7 @@ def _split(kind, ddp, pre_process):
 
 def compare_split(cases: list[tuple[str, str, bool]]) -> list[dict]:
     """For each (kind, ddp, pre_process): max relative gradient error and the split's facts."""
-    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
     results = []
@@ -193,8 +193,8 @@ def store_contract() -> dict:
     """Errors and max_pending on an MLP stage (single process)."""
     import torch
 
-    from megatron_rrfp import wgrad
-    from megatron_rrfp.adapter import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
     stage, model, batches, _ = _build("mlp", "", pre_process=True)
@@ -242,7 +242,7 @@ def store_contract() -> dict:
 
 def _ddp_refusals() -> dict:
     """overlap_grad_reduce DDP: B or W with sync enabled is refused; main_grad without DDP too."""
-    from megatron_rrfp import wgrad
+    from megatron_rrfp.mcore import wgrad
 
     out = {}
     stage, model, batches, _ = _build("mlp", "overlap", pre_process=True)
@@ -276,7 +276,8 @@ def _ddp_refusals() -> dict:
 
 
 def sequence_parallel_refused() -> str:
-    from megatron_rrfp import models, wgrad
+    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.train import models
 
     config = models.tiny_gpt_config(sequence_parallel=True)
     stage = models.build_mlp_stage(config, seed=1)

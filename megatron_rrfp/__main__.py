@@ -1,0 +1,6 @@
+"""``python -m megatron_rrfp`` = the ``megatron-rrfp`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

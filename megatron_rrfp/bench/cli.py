@@ -1,0 +1,69 @@
+"""`megatron-rrfp bench` and `demo`: measured schedules on real megatron-core models."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..sim.cli import add_workload_arguments, workload_from_args
+
+
+def add_bench_parsers(sub) -> None:
+    from ..sim.variability import VARIABILITY_LEVELS
+    from .run import BENCH_SCHEDULES, DEFAULT_SCHEDULES
+
+    for name in ("bench", "demo"):
+        demo = name == "demo"
+        p = sub.add_parser(name, help=("the 3-minute CPU demo: Megatron 1F1B vs RRFP on a real GPTModel" if demo
+                                       else "measure schedules on real megatron-core models (every knob)"))
+        p.add_argument("--model", default="gpt", choices=("gpt", "multimodal"))
+        p.add_argument("--pp", type=int, default=4, help="pipeline stages (one process each locally)")
+        p.add_argument("--chunks", type=int, default=1,
+                       help="model chunks per stage; > 1 compares Megatron's interleaved schedule with RRFP")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+        p.add_argument("--microbatches", "-m", type=int, default=16)
+        p.add_argument("--micro-batch-size", type=int, default=2)
+        p.add_argument("--seq-length", type=int, default=32)
+        p.add_argument("--hidden-size", type=int, default=32)
+        p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES if demo else BENCH_SCHEDULES),
+                       help=f"comma list of {', '.join(BENCH_SCHEDULES)}")
+        p.add_argument("--variability", default="j3", choices=list(VARIABILITY_LEVELS),
+                       help="j0 none ... j3 = sigma_c 0.3, c50 0.1 f0, sigma_m 1.5 (the paper's reference)")
+        p.add_argument("--f0-ms", type=float, default=50.0, help="emulated forward time per stage and microbatch")
+        add_workload_arguments(p)
+        p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
+                       help=f"RRFP's microbatches in flight per stage (default {DEFAULT_BUFFER_LIMIT})")
+        p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
+        p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
+        p.add_argument("--goodput-ledger", metavar="DB", default=None,
+                       help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
+        p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the run is killed")
+        p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import shutil
+
+    from ..sim.variability import Variability
+    from .run import BenchConfig, format_table, run_bench
+
+    config = BenchConfig(
+        model=args.model, pipeline_size=args.pp, num_chunks=args.chunks, tensor_parallel=args.tp,
+        data_parallel=args.dp,
+        num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
+        variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**workload_from_args(args)),
+        iterations=args.iterations, warmup=args.warmup,
+        seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
+        goodput_ledger=args.goodput_ledger)
+    report = run_bench(config)
+    print(format_table(report))
+    print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
+          f"traces: {config.out_dir}/trace-*.json (open in ui.perfetto.dev)")
+    if args.json:
+        shutil.copyfile(os.path.join(config.out_dir, "bench.json"), args.json)
+    return 0

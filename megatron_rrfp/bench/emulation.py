@@ -1,0 +1,161 @@
+"""Emulated device time and message latency, applied identically to every schedule.
+
+A 2-core CPU machine cannot run PP=8 of real GPU-sized work, but it can *sleep*: each
+task sleeps for its modeled duration (from ``simulator.sample_realization``, the same
+draw the simulator uses) on top of the real, small compute of the tiny model. Sleeping
+ranks use no CPU, so eight of them share two cores without disturbing each other.
+
+Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``hooks.py``):
+* every task (``wrap_tasks``): sleep F / B / W of (stage, chunk, microbatch);
+* message latency — a message becomes usable at (its send time + modeled latency):
+  Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox holds the
+  message back (``delay_messages``). Send times go through a small table in shared memory
+  (one machine), written by the sender right after the task that produced it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from ..policy.actions import Kind, Task
+from ..policy.hints import megatron_1f1b_order
+from ..policy.topology import Topology
+from ..sim.variability import Realization
+from ..trace.chrome import Span
+from .hooks import delay_messages, wrap_tasks
+
+_F, _B = 0, 1
+
+
+class SendTimeTable:
+    """[stage, chunk, direction, microbatch] -> send time (time.time()), shared by local ranks."""
+
+    def __init__(self, path: str, num_stages: int, num_chunks: int, num_microbatches: int, *,
+                 create: bool) -> None:
+        shape = (num_stages, num_chunks, 2, num_microbatches)
+        if create:
+            np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)[:] = np.nan
+        self.path = path
+        self.table = np.lib.format.open_memmap(path, mode="r+")
+        if self.table.shape != shape:
+            raise ValueError(f"send-time table {path} has shape {self.table.shape}, expected {shape}")
+
+
+class DeviceTimeEmulator:
+    """Install once per process; call ``begin_iteration`` with each iteration's draw."""
+
+    def __init__(self, *, stage: int, topology: Topology, num_microbatches: int, table: Optional[SendTimeTable],
+                 split_backward: bool = False) -> None:
+        self.stage, self.topology, self.table, self.split_backward = stage, topology, table, split_backward
+        # Megatron receives in its own schedule's order: the k-th forward (backward) receive
+        # feeds the k-th forward (backward) of megatron_1f1b_order that has a sender.
+        order = megatron_1f1b_order(stage, topology, num_microbatches)
+        self._receive_order = (
+            [t for t in order if t.kind is Kind.F and topology.upstream(stage, t.chunk) is not None],
+            [t for t in order if t.kind is Kind.B and topology.downstream(stage, t.chunk) is not None])
+        self.realization: Optional[Realization] = None
+        self.spans: list[Span] = []
+        self.rank = 0
+        self._t0 = 0.0
+        self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
+        self._link_clear = [0.0, 0.0]  # per direction: links are FIFO, like the simulator's
+        self._installed = False
+
+    # -- set-up ----------------------------------------------------------------------
+
+    def install(self) -> DeviceTimeEmulator:
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import p2p_communication
+
+        if self._installed:
+            return self
+        self.rank = dist.get_rank()
+        wrap_tasks(self._run_task)
+        communicate = p2p_communication.P2PCommunicator._communicate
+        emulator = self
+
+        @functools.wraps(communicate)
+        def emulated_communicate(self_, *args, **kwargs):
+            recv_prev, recv_next = kwargs.get("recv_prev", False), kwargs.get("recv_next", False)
+            result = communicate(self_, *args, **kwargs)
+            for direction, wanted in ((_F, recv_prev), (_B, recv_next)):
+                if wanted:
+                    task = emulator._receive_order[direction][emulator._received[direction]]
+                    emulator._received[direction] += 1
+                    delay = emulator._usable_at(direction, task) - time.time()
+                    if delay > 0:
+                        time.sleep(delay)
+            return result
+
+        p2p_communication.P2PCommunicator._communicate = emulated_communicate
+        self._installed = True
+        return self
+
+    def delay_rrfp_messages(self, enabled: bool) -> None:
+        """Hold RRFP's received messages until their modeled arrival (on) or not (off)."""
+        delay_messages(self.message_delay if enabled else None)
+
+    def _run_task(self, task: Task, run):
+        """Sleep the task's modeled device time, compute it, note when its output left."""
+        start = time.time()
+        self._sleep(task)
+        result = run()
+        end = time.time()
+        if task.kind is not Kind.W:
+            self._sent(_F if task.kind is Kind.F else _B, task, end)
+        self._span(task, start, end)
+        return result
+
+    def begin_iteration(self, realization: Realization) -> None:
+        self.realization = realization
+        self.spans = []
+        self._received = [0, 0]
+        self._link_clear = [0.0, 0.0]
+        self._t0 = time.time()
+
+    # -- RRFP's inbox hook -----------------------------------------------------------
+
+    def message_delay(self, message) -> float:
+        """Seconds the transport holds ``message`` back: until send time + latency."""
+        direction = _F if message.kind == "activation" else _B
+        task = Task(Kind.F if direction == _F else Kind.B, message.microbatch, message.chunk)
+        return max(0.0, self._usable_at(direction, task) - time.time())
+
+    # -- internals -------------------------------------------------------------------
+
+    def _sleep(self, task: Task) -> None:
+        if self.realization is not None:
+            time.sleep(self.realization.duration(self.stage, task, self.split_backward))
+
+    def _sent(self, direction: int, task: Task, when: float) -> None:
+        if self.table is not None:
+            self.table.table[self.stage, task.chunk, direction, task.microbatch] = when
+
+    def _usable_at(self, direction: int, receiver: Task) -> float:
+        """When the input of ``receiver`` (this stage's task) may be used: its sender's
+        send time + that message's latency, and never before the previous message."""
+        if self.table is None or self.realization is None:
+            return 0.0
+        locate = self.topology.upstream if direction == _F else self.topology.downstream
+        src_stage, src_chunk = locate(self.stage, receiver.chunk)
+        mb = receiver.microbatch
+        sent = float(self.table.table[src_stage, src_chunk, direction, mb])
+        if sent != sent:  # NaN: not recorded
+            return 0.0
+        latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
+        # one sender per direction: messages arrive in the order sent (FIFO link)
+        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear[direction])
+        self._link_clear[direction] = usable
+        return usable
+
+    def _span(self, task: Task, start: float, end: float) -> None:
+        self.spans.append(Span(self.rank, str(task), task.kind.value, start - self._t0, end - self._t0))
+
+
+def shared_table_path(tag: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    return os.path.join(base, f"rrfp-sendtimes-{tag}.npy")

@@ -1,0 +1,129 @@
+"""Wrapping the runtime from outside: task and message hooks for benchmarks and tests.
+
+Nothing here is part of the shipped runtime. Each installer patches one process:
+
+* ``wrap_tasks(on_task)`` — every F / B / W that megatron-core's own schedules *or* RRFP
+  run goes through ``on_task(task, run)``: megatron-core's ``schedules.forward_step`` /
+  ``backward_step`` (module attributes, looked up at call time by its schedules and by
+  ``mcore.compat``) and the W store of a split backward. The emulator sleeps the modeled
+  device time there; tests inject random delays or a hang.
+* ``delay_tasks(delay)`` — sleep ``delay(task)`` seconds before each task (on top of
+  ``wrap_tasks``): drifting stages, a hung rank.
+* ``delay_messages(delay)`` — every message the executor's inbox receives is held back
+  ``delay(message)`` seconds: emulated link latency (a FIFO link is the delay function's
+  business: the emulator's never lets a message overtake an earlier one).
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from ..policy.actions import Kind, Task
+
+OnTask = Callable[[Task, Callable[[], Any]], Any]
+
+
+def wrap_tasks(on_task: OnTask) -> None:
+    """Route every task of this process through ``on_task(task, run)``; ``run()`` computes it."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from ..mcore import wgrad
+
+    forward_step, backward_step, run_weight = schedules.forward_step, schedules.backward_step, \
+        wgrad.WeightGradStore.run
+    forward_of: dict[int, Task] = {}  # id(output tensor) -> its forward: B learns its microbatch
+
+    @functools.wraps(forward_step)  # compat reads the real signature through __wrapped__
+    def hooked_forward_step(*args, **kwargs):
+        task = Task(Kind.F, kwargs.get("current_microbatch"), kwargs.get("vp_stage") or 0)
+        output, num_tokens = on_task(task, lambda: forward_step(*args, **kwargs))
+        forward_of[id(output[0] if isinstance(output, list) else output)] = task
+        return output, num_tokens
+
+    @functools.wraps(backward_step)
+    def hooked_backward_step(input_tensor, output_tensor, *args, **kwargs):
+        forward = forward_of.pop(id(output_tensor[0] if isinstance(output_tensor, list) else output_tensor))
+        return on_task(Task(Kind.B, forward.microbatch, forward.chunk),
+                       lambda: backward_step(input_tensor, output_tensor, *args, **kwargs))
+
+    @functools.wraps(run_weight)
+    def hooked_weight(store, key):
+        return on_task(Task(Kind.W, key[0], key[1]), lambda: run_weight(store, key))
+
+    schedules.forward_step, schedules.backward_step = hooked_forward_step, hooked_backward_step
+    wgrad.WeightGradStore.run = hooked_weight
+
+
+_task_delay: list = []  # [current delay function or None] once installed
+
+
+def delay_tasks(delay: Optional[Callable[[Task], float]]) -> None:
+    """From now on, sleep ``delay(task)`` seconds before each task of this process
+    (None: no delay). Installs its ``wrap_tasks`` hook on first use."""
+    if not _task_delay:
+        def on_task(task: Task, run):
+            if _task_delay[0] is not None:
+                time.sleep(max(0.0, _task_delay[0](task)))
+            return run()
+
+        wrap_tasks(on_task)
+        _task_delay.append(None)
+    _task_delay[0] = delay
+
+
+class _Delivery:
+    """One thread delivering held-back messages to their inbox when due."""
+
+    def __init__(self, put: Callable) -> None:
+        self.put = put
+        self.delay: Optional[Callable[[Any], float]] = None
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+        threading.Thread(target=self._loop, daemon=True, name="rrfp-bench-delivery").start()
+
+    def hold(self, inbox, message, seconds: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + seconds, next(self._seq), inbox, message))
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, _, inbox, message = heapq.heappop(self._heap)
+            self.put(inbox, message)
+
+
+_delivery: Optional[_Delivery] = None
+
+
+def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
+    """From now on, hold each message back ``delay(message)`` seconds before the executor
+    sees it (None: deliver at once again). Process-wide; installs itself on first use."""
+    global _delivery
+    from ..runtime.executor import Inbox
+
+    if _delivery is None:
+        _delivery = _Delivery(Inbox.put)
+        delivery = _delivery
+
+        @functools.wraps(Inbox.put)
+        def put(inbox, message) -> None:
+            seconds = 0.0 if delivery.delay is None else delivery.delay(message)
+            if seconds > 0:
+                delivery.hold(inbox, message, seconds)
+            else:
+                delivery.put(inbox, message)
+
+        Inbox.put = put
+    _delivery.delay = delay
+
+
+__all__ = ["delay_messages", "delay_tasks", "wrap_tasks"]

@@ -1,0 +1,377 @@
+"""`megatron-rrfp bench` / `demo`: measured iteration times of Megatron-core's own 1F1B and
+of RRFP on real megatron-core models, side by side in one run, under the *same* seeded
+run-time variability (emulation.py), with the simulator's prediction printed beside.
+
+Local mode (default) spawns one gloo process per rank; under torchrun/SLURM (WORLD_SIZE
+set) each process runs one rank itself, on GPUs with NCCL.
+
+Formulas, per measured iteration (wall = slowest rank, between two barriers):
+  bubble fraction = 1 - sum over ranks of busy time / (ranks x wall), busy = F/B/W spans
+  tokens/s        = num_microbatches x micro_batch_size x seq_length x DP / wall
+  speedup         = median wall of megatron-1f1b / median wall of the schedule
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..runtime.report import BREAKDOWN_FIELDS
+from ..sim.variability import VARIABILITY_LEVELS, Variability
+
+BENCH_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf", "rrfp-bfw")
+DEFAULT_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf")
+# Per-rank seconds per iteration measured by RRFP's executor, and its wall time.
+BREAKDOWN = (*BREAKDOWN_FIELDS, "wall_s")
+_SIM_POLICY = {"megatron-1f1b": "1f1b-strict", "rrfp-strict": "1f1b-strict", "rrfp-bf": "bf", "rrfp-bfw": "bfw"}
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """One benchmark run."""
+
+    model: str = "gpt"
+    """gpt (megatron-core GPTModel, local spec) or multimodal (vision encoder + GPT decoder)."""
+    pipeline_size: int = 4
+    num_chunks: int = 1
+    """Model chunks per stage: > 1 compares Megatron's *interleaved* schedule with RRFP on chunks."""
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    num_microbatches: int = 16
+    micro_batch_size: int = 2
+    seq_length: int = 32
+    hidden_size: int = 32
+    schedules: Sequence[str] = DEFAULT_SCHEDULES
+    """megatron-1f1b (the reference), rrfp-strict (1F1B order in RRFP's runtime), rrfp-bf, rrfp-bfw."""
+    variability: str = "j3"
+    """j0..j3 (see VARIABILITY_LEVELS)."""
+    f0_ms: float = 50.0
+    """Emulated forward time of one stage per microbatch; backward is 2x."""
+    workload: Variability = field(default_factory=Variability)
+    """Workload shape (straggler, sequence lengths, images per sample...); its f0 and jitter
+    fields are replaced by ``f0_ms`` and the ``variability`` level."""
+    iterations: int = 5
+    warmup: int = 1
+    seed: int = 0
+    buffer_limit: int = DEFAULT_BUFFER_LIMIT
+    out_dir: str = "rrfp-out/bench"
+    goodput_ledger: Optional[str] = None
+    """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
+    timeout_s: float = 1200.0
+
+    def variability_model(self) -> Variability:
+        if self.variability not in VARIABILITY_LEVELS:
+            raise ValueError(f"--variability {self.variability!r}: choose one of {', '.join(VARIABILITY_LEVELS)}")
+        return replace(self.workload, f0=self.f0_ms / 1000.0, **VARIABILITY_LEVELS[self.variability])
+
+    def validate(self) -> None:
+        self.variability_model()
+        unknown = [s for s in self.schedules if s not in BENCH_SCHEDULES]
+        if unknown:
+            raise ValueError(f"--schedules: unknown {unknown}; available: {', '.join(BENCH_SCHEDULES)}")
+        if "megatron-1f1b" not in self.schedules:
+            raise ValueError("--schedules must include megatron-1f1b: speedups are measured against it")
+        if self.pipeline_size < 2:
+            raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
+        if self.model not in ("gpt", "multimodal"):
+            raise ValueError(f"--model {self.model!r}: choose gpt or multimodal")
+        if self.num_chunks < 1 or (self.num_chunks > 1 and self.model != "gpt"):
+            raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt only")
+
+
+# -- what each rank runs --------------------------------------------------------------
+
+def _build_stage(config: BenchConfig):
+    from ..train import models
+
+    if config.model == "gpt":
+        # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
+        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1)
+        chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
+                                         vp_stage=c if config.num_chunks > 1 else None)
+                  for c in range(config.num_chunks)]
+
+        def data(seed: int):
+            iterators = [models.synthetic_gpt_batches(seed=seed, micro_batch_size=config.micro_batch_size,
+                                                      seq_length=config.seq_length, vocab_size=128)
+                         for _ in chunks]
+            return iterators if len(chunks) > 1 else iterators[0]
+        return (chunks if len(chunks) > 1 else chunks[0]), models.gpt_forward_step, data
+    from ..train.recipes import multimodal
+
+    spec = multimodal.MultimodalSpec(seq_length=config.seq_length)
+    tconfig = multimodal.multimodal_config(hidden_size=config.hidden_size)
+    stage = multimodal.build_multimodal_stage(tconfig, spec, seed=config.seed)
+
+    def data(seed: int):
+        return multimodal.synthetic_multimodal_batches(
+            spec, seed=seed, micro_batch_size=config.micro_batch_size,
+            images_per_sample_mean=max(config.workload.images_per_sample, 1.0))
+    return stage, multimodal.multimodal_forward_step, data
+
+
+def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_path: Optional[str] = None) -> dict:
+    """Run every schedule on this rank; returns measured figures (rank 0 holds the totals)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_with_interleaving,
+        forward_backward_pipelining_without_interleaving,
+    )
+
+    from ..goodput.recorder import GoodputRecorder
+    from ..mcore.config import RRFPConfig
+    from ..mcore.cpu import enable_cpu_reference_schedules
+    from ..mcore.schedule import forward_backward_rrfp, last_iteration_report
+    from ..mcore.session import shutdown
+    from ..policy.topology import Topology
+    from ..sim.variability import sample_realization
+    from .emulation import DeviceTimeEmulator, SendTimeTable
+
+    enable_cpu_reference_schedules()  # a no-op where CUDA is available
+    stage_index = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    topology = Topology(pp, config.num_chunks)
+    stage, forward_step, data = _build_stage(config)
+    parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
+    megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
+        else forward_backward_pipelining_without_interleaving
+    table = SendTimeTable(table_path, pp, config.num_chunks, config.num_microbatches, create=False) \
+        if table_path else None
+    emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
+                                  table=table).install()
+    variability = config.variability_model()
+    rank = dist.get_rank()
+    results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}
+    recorder = GoodputRecorder(config.goodput_ledger, rank=rank, world=dist.get_world_size(), job="bench")
+    recorder.job_start(schedules=list(config.schedules), model=config.model, pp=pp, variability=config.variability)
+    tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
+    ledger_iteration = 0
+    total = len(config.schedules) * (config.warmup + config.iterations)
+    done = 0
+    for schedule in config.schedules:
+        walls, busy, spans, breakdowns = [], [], [], []
+        for iteration in range(config.warmup + config.iterations):
+            realization = sample_realization(variability, topology, config.num_microbatches,
+                                             seed=config.seed * 100_003 + iteration)
+            for p in parameters:
+                p.grad = None
+            emulator.split_backward = schedule == "rrfp-bfw"
+            emulator.delay_rrfp_messages(bool(variability.c50) and schedule != "megatron-1f1b")
+            emulator.begin_iteration(realization)
+            kwargs = dict(forward_step_func=forward_step, data_iterator=data(iteration), model=stage,
+                          num_microbatches=config.num_microbatches, seq_length=config.seq_length,
+                          micro_batch_size=config.micro_batch_size)
+            dist.barrier()
+            ledger_iteration += 1
+            recorder.iteration_start(ledger_iteration)
+            start = time.time()
+            if schedule == "megatron-1f1b":
+                megatron_schedule(**kwargs)
+                own_spans = list(emulator.spans)
+                breakdown = None
+            else:
+                options = RRFPConfig.of(hint="1f1b" if schedule == "rrfp-strict" else schedule.split("-", 1)[1],
+                                        strict=schedule == "rrfp-strict", buffer_limit=config.buffer_limit,
+                                        timeout_s=config.timeout_s, record_spans=True)
+                forward_backward_rrfp(rrfp_config=options, **kwargs)
+                report = last_iteration_report()
+                own_spans = report.spans
+                breakdown = {name: getattr(report, name) for name in BREAKDOWN}
+            wall = torch.tensor([time.time() - start], dtype=torch.float64)
+            recorder.iteration(ledger_iteration, tokens=tokens,
+                               report=None if schedule == "megatron-1f1b" else last_iteration_report())
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
+            busy_total = torch.tensor([compute], dtype=torch.float64)
+            dist.all_reduce(busy_total)
+            if iteration >= config.warmup:
+                walls.append(float(wall))
+                busy.append(float(busy_total))
+                spans = own_spans
+                if breakdown is not None:
+                    breakdowns.append(breakdown)
+            done += 1
+            if progress_path and rank == 0:
+                with open(progress_path, "a", encoding="utf-8") as handle:
+                    handle.write(f"{done} {total} {schedule}\n")
+        results["runs"][schedule] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
+                                     "breakdown": {name: statistics.median(b[name] for b in breakdowns)
+                                                   for name in BREAKDOWN} if breakdowns else None}
+    recorder.job_end()
+    shutdown()
+    return results
+
+
+# -- the parent: launch, progress, report ---------------------------------------------
+
+def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
+    config.validate()
+    os.makedirs(config.out_dir, exist_ok=True)
+    world = config.pipeline_size * config.tensor_parallel * config.data_parallel
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun / srun: we are one rank
+        per_rank = [_run_in_this_process(config)]
+    else:
+        per_rank = _run_locally(config, world, progress)
+    report = summarize(config, per_rank)
+    if int(os.environ.get("RANK", 0)) == 0:
+        _write_outputs(config, report, per_rank)
+    return report
+
+
+def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
+    from tqdm import tqdm
+
+    from ..dist.launcher import launch
+    from .emulation import SendTimeTable, shared_table_path
+
+    tag = f"{os.getpid()}-{int(time.time())}"
+    progress_path = os.path.join(config.out_dir, f".progress-{tag}")
+    table_path = shared_table_path(tag)
+    SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
+    open(progress_path, "w").close()
+    box: dict = {}
+
+    def work() -> None:
+        try:
+            box["results"] = launch(bench_rank, world_size=world, tp=config.tensor_parallel,
+                                    pp=config.pipeline_size, timeout=config.timeout_s,
+                                    vpp=config.num_chunks if config.num_chunks > 1 else None,
+                                    args=(config, progress_path, table_path))
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    total = len(config.schedules) * (config.warmup + config.iterations)
+    with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
+        while thread.is_alive():
+            thread.join(0.5)
+            with open(progress_path, encoding="utf-8") as handle:
+                lines = handle.read().split()
+            done = int(lines[-3]) if len(lines) >= 3 else 0
+            if done > bar.n:
+                bar.set_postfix_str(lines[-1])
+                bar.update(done - bar.n)
+    for path in (progress_path, table_path):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    if "error" in box:
+        raise box["error"]
+    return box["results"]
+
+
+def _run_in_this_process(config: BenchConfig) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel, pipeline_model_parallel_size=config.pipeline_size,
+        virtual_pipeline_model_parallel_size=config.num_chunks if config.num_chunks > 1 else None)
+    if config.variability_model().c50:
+        raise ValueError("message-latency emulation needs the local launcher (it shares send times through "
+                         "/dev/shm); under torchrun use --variability j0 or real hardware variability")
+    try:
+        return bench_rank(config)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
+    from ..policy.topology import Topology
+    from ..sim.simulator import policy, simulate
+    from ..sim.variability import sample_realization
+
+    ranks = per_rank[0]["world_size"]
+    first = per_rank[0]["runs"]
+    tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
+    baseline = statistics.median(first["megatron-1f1b"]["walls"])
+    topology = Topology(config.pipeline_size, config.num_chunks)
+    variability = config.variability_model()
+    sims: dict[str, list[float]] = {}
+    for iteration in range(config.warmup, config.warmup + config.iterations):
+        realization = sample_realization(variability, topology, config.num_microbatches,
+                                         seed=config.seed * 100_003 + iteration)
+        for name in {_SIM_POLICY[s] for s in config.schedules}:
+            sims.setdefault(name, []).append(
+                simulate(policy(name, config.buffer_limit), topology, config.num_microbatches, realization).makespan)
+    sim_base = statistics.median(sims["1f1b-strict"])
+    runs = []
+    for schedule in config.schedules:
+        walls, busy = first[schedule]["walls"], first[schedule]["busy"]
+        median = statistics.median(walls)
+        runs.append({
+            "schedule": schedule,
+            "iteration_time_s": {"median": median, "p90": _quantile(walls, 0.9), "all": walls},
+            "speedup_vs_megatron_1f1b": baseline / median,
+            "bubble_fraction": statistics.median([1 - b / (ranks * w) for b, w in zip(busy, walls)]),
+            "tokens_per_s": tokens / median,
+            "simulated_iteration_time_s": statistics.median(sims[_SIM_POLICY[schedule]]),
+            "simulated_speedup": sim_base / statistics.median(sims[_SIM_POLICY[schedule]]),
+            "breakdown_s": _across_ranks([r["runs"][schedule]["breakdown"] for r in per_rank]),
+        })
+    return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks, "runs": runs}
+
+
+def _across_ranks(per_rank: list) -> Optional[dict]:
+    """{metric: {min, median, max}} over ranks of each rank's median per iteration: compute
+    (F/B/W), wait (bubble: blocked on readiness), backpressure, agree (TP), flush (last sends)."""
+    if not per_rank or per_rank[0] is None:
+        return None
+    return {name: {"min": min(r[name] for r in per_rank), "median": statistics.median(r[name] for r in per_rank),
+                   "max": max(r[name] for r in per_rank)} for name in BREAKDOWN}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    chunks = f" chunks={c['num_chunks']} (interleaved)" if c["num_chunks"] > 1 else ""
+    lines = [f"{c['model']} PP={c['pipeline_size']}{chunks} TP={c['tensor_parallel']} DP={c['data_parallel']} "
+             f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
+             f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
+             f"{'schedule':<15}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
+             f"{'sim s':>8}{'sim speedup':>12}"]
+    for r in report["runs"]:
+        t = r["iteration_time_s"]
+        lines.append(f"{r['schedule']:<15}{t['median']:>10.3f}{t['p90']:>9.3f}{r['speedup_vs_megatron_1f1b']:>8.2f}x"
+                     f"{100 * r['bubble_fraction']:>7.1f}%{r['tokens_per_s']:>10.0f}"
+                     f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x")
+    return "\n".join(lines)
+
+
+def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> None:
+    from ..trace import Span, plot_timelines, write_chrome_trace
+
+    with open(os.path.join(config.out_dir, "bench.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    timelines = {}
+    for schedule in config.schedules:
+        spans = [Span(**s) for r in per_rank for s in r["runs"][schedule]["spans"]]
+        for span in spans:  # one track per pipeline stage in the picture (rank = stage at TP=DP=1)
+            span.rank = next(r["stage"] for r in per_rank if r["rank"] == span.rank) if config.tensor_parallel == \
+                config.data_parallel == 1 else span.rank
+        write_chrome_trace(spans, os.path.join(config.out_dir, f"trace-{schedule}.json"),
+                           metadata={"schedule": schedule, "measured": True})
+        timelines[schedule] = spans
+    plot_timelines(timelines, os.path.join(config.out_dir, "timeline.png"),
+                   title=f"measured: {config.model} PP={config.pipeline_size} M={config.num_microbatches} "
+                         f"{config.variability} (last iteration)")

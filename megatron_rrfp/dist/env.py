@@ -1,0 +1,95 @@
+"""Where this process sits in the job, its process group, and ``--nproc`` local launches.
+
+The rank comes from, in order:
+  torchrun (or any torch.distributed launcher): RANK, WORLD_SIZE, LOCAL_RANK,
+      MASTER_ADDR, MASTER_PORT;
+  srun starting the ranks itself: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master
+      is the first host of SLURM_JOB_NODELIST (``scontrol show hostnames``) unless
+      MASTER_ADDR is set, the port MASTER_PORT or 20000 + job id mod 20000;
+  nothing: a single process.
+(``launcher.spawn_local`` is what ``--nproc N`` does.)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+    """torchrun | slurm | single."""
+
+
+def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return DistEnv(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
+                       local_rank=int(environ.get("LOCAL_RANK", 0)),
+                       master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(environ.get("MASTER_PORT", 29500)), source="torchrun")
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        job = int(environ.get("SLURM_JOB_ID", "0"))
+        return DistEnv(rank=int(environ["SLURM_PROCID"]), world_size=int(environ["SLURM_NTASKS"]),
+                       local_rank=int(environ.get("SLURM_LOCALID", 0)),
+                       master_addr=environ.get("MASTER_ADDR") or _first_slurm_host(environ),
+                       master_port=int(environ.get("MASTER_PORT", 20000 + job % 20000)), source="slurm")
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, source="single")
+
+
+def _first_slurm_host(environ: Mapping[str, str]) -> str:
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol ({exc}); "
+                           "set MASTER_ADDR to the first node's address") from exc
+    return out[0]
+
+
+def init_process_group(env: DistEnv, *, cpu: bool, timeout_s: float):
+    """Initialise torch.distributed (gloo on CPU, NCCL on GPUs); return this rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    if cpu:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device is visible; pass --cpu to train on CPU with gloo")
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    if env.source == "single":  # still a process group: megatron's parallel_state needs one
+        store = dist.HashStore()
+        dist.init_process_group("gloo" if cpu else "nccl", store=store, rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return device
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group("gloo" if cpu else "nccl", init_method="env://", rank=env.rank,
+                            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **({} if cpu else {"device_id": device}))
+    return device
+
+
+def die_with_parent(parent_pid: Optional[int] = None) -> None:
+    """Linux, in a child: SIGKILL it if the launching process dies (no orphaned ranks).
+    With ``parent_pid``, also exit at once if that parent already died before prctl."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,0 +1,454 @@
+"""Goodput: where did the job's time go?
+
+    megatron-rrfp goodput run/goodput.db --json goodput.json --png goodput.png
+
+Throughput counts every token pushed through the model; goodput counts only work that
+moved training forward. From the ledger (``ledger.py``) of one job -- all its processes,
+disruptions and restarts -- this module splits the job's wall time into productive time
+and nine badput categories that add up to it exactly:
+
+    wall_s = productive_s + startup + checkpoint_save + checkpoint_load + data_loading
+             + wasted_progress + recovery + pipeline_bubble + tp_coordination + other
+
+    goodput               = productive_s / wall_s                              (fraction)
+    goodput tokens/s      = tokens of kept iterations / wall_s
+    throughput tokens/s   = tokens of all completed iterations / their summed duration
+
+Recording -- the hooks, re-exported here from ``goodput_recorder.py`` (which documents the
+train driver's and the Megatron-LM plugin's exact call sites). Every rank makes the same
+calls; rank 0 writes; ``iteration`` is collective when world > 1; nothing raises after
+the constructor (which raises ``LedgerBusyError`` if another live process writes the job):
+
+    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=rank, world=world, job=name)
+    recorder.job_start()
+    with recorder.checkpoint_load(): ...            then recorder.restart(resumed_from=it)
+    recorder.iteration_start(it)
+    ... one training step ...
+    recorder.iteration(it, tokens=global_tokens, report=last_iteration_report(), data_wait_s=s)
+    with recorder.checkpoint_save(it): ...
+    recorder.disruption(kind, message, rank)        on the way out of a failure, then re-raise
+    recorder.job_end()
+    publish_to_timers(config.timers, last_iteration_report())   # rrfp-* Megatron timers
+
+How time is attributed (all in seconds):
+
+* The job timeline. Each writer process is a *session*. Within a session, event times
+  come from ``time.monotonic()`` (immune to clock steps); sessions are placed on one
+  axis by their wall-clock start, never overlapping the previous one. wall_s = end of the
+  last session - start of the first (gaps between processes included).
+* Iterations: [iteration_start, iteration_end]. With a breakdown gathered from R ranks,
+  means over ranks are used, i.e. shares of the accelerators' time:
+      bubble = mean_r(wait_s + backpressure_s + flush_s)   (idle on readiness, buffer limit, last sends)
+      tp     = mean_r(agree_s)                            (TP agreement collectives)
+      data   = mean_r(data_wait_s)
+      productive = D - bubble - tp - data                  (D = iteration duration; if the three
+                   exceed D -- clock skew -- they are scaled down to D)
+  of which "F/B compute" = min(mean_r(compute_s), productive) and the rest is the step
+  outside the pipeline schedule (optimizer, gradient reductions, runtime overhead).
+  Without a breakdown (Megatron's own schedules) bubbles are not observable: the
+  iteration minus data wait counts as productive (none of it as F/B compute), and the
+  report says so.
+* Wasted progress: an iteration is lost when a later restart resumed from an earlier
+  iteration (``restart(resumed_from=R)``, or inferred from the first iteration number of
+  the next process) -- every completed iteration > R before it was redone; iterations
+  that never completed; and, when the job's last process died and was not resumed, the
+  iterations after the last completed checkpoint save.
+* Spans that overlap take one category by priority: checkpoint save > checkpoint load >
+  data wait (outside iterations) > iteration > the background, which is *startup* from a
+  process start to its first iteration, *recovery* from a disruption (explicit event, or
+  a process that ended without ``job_end``) to the next iteration start -- including the
+  gap to the restarted process and its startup, but not its checkpoint load -- and
+  *other* (between iterations: logging, evaluation, and gaps after a clean exit).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..runtime.report import BREAKDOWN_FIELDS as EXECUTOR_FIELDS
+from .reader import Ledger, load_ledger
+
+CATEGORIES = ("startup", "checkpoint_save", "checkpoint_load", "data_loading", "wasted_progress",
+              "recovery", "pipeline_bubble", "tp_coordination", "other")
+BREAKDOWN_FIELDS = (*EXECUTOR_FIELDS, "data_wait_s", "schedule_s")
+"""Per-rank, per-iteration breakdown; stats in the ledger are [min, median, mean, max] over ranks."""
+
+_SAVE, _LOAD, _DATA, _ITER, _BASE = range(5)  # span priorities: lower wins
+
+
+def summarize_ranks(vectors: list[list[float]], tokens: int) -> dict:
+    """The ``iteration_end`` payload from each rank's ``breakdown_vector``: [min, median, mean, max]."""
+    stats = {}
+    for i, name in enumerate(BREAKDOWN_FIELDS):
+        values = [float(v[i]) for v in vectors]
+        stats[name] = [min(values), statistics.median(values), statistics.fmean(values), max(values)]
+    measured = sum(1 for v in vectors if v[len(BREAKDOWN_FIELDS)] > 0)
+    return {"tokens": int(tokens), "ranks": len(vectors), "measured_ranks": measured, "stats": stats}
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    session: int
+    iteration: int
+    start: float  # seconds since the job started
+    end: float
+    tokens: int = 0
+    stats: dict = field(default_factory=dict)
+    measured: bool = False
+    fate: str = "kept"  # kept | wasted | incomplete
+    _shares: Optional[tuple] = field(default=None, repr=False)
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    def shares(self) -> dict[str, float]:
+        """Fractions of this iteration per category (productive + badput), summing to 1."""
+        if self._shares is None or self._shares[0] != self.fate:
+            self._shares = (self.fate, self._compute_shares())
+        return self._shares[1]
+
+    def _compute_shares(self) -> dict[str, float]:
+        if self.fate != "kept":
+            return {"wasted_progress": 1.0}
+        d = self.duration
+        if d <= 0:
+            return {"productive": 1.0}
+        mean = lambda name: self.stats[name][2] if name in self.stats else 0.0  # noqa: E731  (mean over ranks)
+        bubble = mean("wait_s") + mean("backpressure_s") + mean("flush_s")
+        tp, data = mean("agree_s"), mean("data_wait_s")
+        idle = bubble + tp + data
+        scale = min(1.0, d / idle) if idle > 0 else 1.0
+        shares = {"pipeline_bubble": bubble * scale / d, "tp_coordination": tp * scale / d,
+                  "data_loading": data * scale / d}
+        productive = max(0.0, 1.0 - sum(shares.values()))
+        compute = min(mean("compute_s") / d, productive) if self.measured else 0.0  # unknown: not split
+        shares["productive"] = productive
+        shares["fb_compute"] = compute  # sub-share of productive, not added to the sum
+        return shares
+
+
+@dataclass(slots=True)
+class Disruption:
+    time_s: float
+    session: int
+    kind: str
+    message: str = ""
+    rank: Optional[int] = None
+    inferred: bool = False
+    resumed_from: Optional[int] = None
+    resumed_at_s: Optional[float] = None
+    wasted_iterations: int = 0
+    wasted_s: float = 0.0
+
+    @property
+    def time_to_resume_s(self) -> Optional[float]:
+        """Disruption -> first iteration start after it (recovery + checkpoint load + startup)."""
+        return None if self.resumed_at_s is None else self.resumed_at_s - self.time_s
+
+
+@dataclass(slots=True)
+class GoodputReport:
+    path: str
+    job: Optional[str]
+    live: bool
+    start_wall: float
+    wall_s: float
+    productive_s: float
+    fb_compute_s: float
+    badput: dict[str, float]
+    tokens_total: int
+    tokens_kept: int
+    iteration_time_s: float
+    iterations: list[IterationRecord]
+    disruptions: list[Disruption]
+    sessions: int
+    checkpoint_saves: int
+    timeline: list[dict]
+    breakdown: dict[str, dict[str, float]]
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def goodput_tokens_per_s(self) -> float:
+        return self.tokens_kept / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        return self.tokens_total / self.iteration_time_s if self.iteration_time_s > 0 else 0.0
+
+    @property
+    def accounted_s(self) -> float:
+        """productive + every badput category; equals wall_s (up to float rounding)."""
+        return self.productive_s + sum(self.badput.values())
+
+    def count(self, fate: str) -> int:
+        return sum(1 for r in self.iterations if r.fate == fate)
+
+    @property
+    def unmeasured_iterations(self) -> int:
+        return sum(1 for r in self.iterations if r.fate == "kept" and not r.measured)
+
+    def to_dict(self) -> dict:
+        return {
+            "ledger": self.path, "job": self.job, "live": self.live, "start_wall": self.start_wall,
+            "wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput,
+            "productive_detail_s": {"fb_compute": self.fb_compute_s,
+                                    "rest_of_step": self.productive_s - self.fb_compute_s},
+            "badput_s": dict(self.badput), "categories_sum_s": self.accounted_s,
+            "tokens": {"total": self.tokens_total, "kept": self.tokens_kept,
+                       "goodput_tokens_per_s": self.goodput_tokens_per_s,
+                       "throughput_tokens_per_s": self.throughput_tokens_per_s},
+            "iterations": {"completed": self.count("kept") + self.count("wasted"), "kept": self.count("kept"),
+                           "wasted": self.count("wasted"), "incomplete": self.count("incomplete"),
+                           "without_breakdown": self.unmeasured_iterations,
+                           "mean_s": self.iteration_time_s / max(1, self.count("kept") + self.count("wasted"))},
+            "breakdown_across_ranks_s": self.breakdown,
+            "sessions": self.sessions, "checkpoint_saves": self.checkpoint_saves,
+            "disruptions": [{"time_s": d.time_s, "session": d.session, "kind": d.kind, "message": d.message,
+                             "rank": d.rank, "inferred": d.inferred, "resumed_from": d.resumed_from,
+                             "time_to_resume_s": d.time_to_resume_s, "wasted_iterations": d.wasted_iterations,
+                             "wasted_s": d.wasted_s} for d in self.disruptions],
+            "timeline": self.timeline,
+        }
+
+
+def goodput_report(path: str, *, bins: int = 60) -> GoodputReport:
+    """Read a ledger and account for its time (``LedgerError`` if it cannot be read)."""
+    return compute_goodput(load_ledger(path), bins=bins)
+
+
+# -- the accounting -----------------------------------------------------------------
+
+class _Walk:
+    """One chronological pass over every session's events."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.records: list[IterationRecord] = []
+        self.spans: list[tuple[float, float, int, object]] = []  # (start, end, priority, payload)
+        self.disruptions: list[Disruption] = []
+        self.pending: Optional[Disruption] = None  # not yet followed by an iteration start
+        self.last_saved: Optional[int] = None
+        self.saves = 0
+        self.origin = ledger.sessions[0].started_wall if ledger.sessions else 0.0
+        self.end = 0.0
+        self._mode = "startup"  # the background category right now: startup | recovery | other
+        self._marks: list[tuple[float, str]] = []
+        self._resume_known = True
+
+    def run(self) -> None:
+        previous_end: Optional[float] = None
+        sessions = [s for s in self.ledger.sessions if self.ledger.by_session.get(s.id)]
+        for index, session in enumerate(sessions):
+            events = self.ledger.by_session[session.id]
+            start = session.started_wall - self.origin
+            if previous_end is not None:
+                start = max(start, previous_end)
+                self._base(previous_end, start, "recovery" if self.pending else "other")
+            end = self._session(session, events, start, first=index == 0,
+                                last_live=self.ledger.live and index == len(sessions) - 1)
+            previous_end = end
+        self.end = previous_end or 0.0
+        if self.pending is not None and not self.ledger.live:
+            # The job's last process died and nothing resumed it: what was not saved is lost.
+            self._restart(self.last_saved if self.last_saved is not None else -1, cause=self.pending)
+
+    def _session(self, session, events, start: float, *, first: bool, last_live: bool) -> float:
+        at = {e.seq: start + (e.mono - session.started_mono) for e in events}
+        end = max([start, *at.values()])
+        self._mode = "recovery" if self.pending else "startup"
+        self._marks = [(start, self._mode)]  # where the background category changes
+        # A new process without restart(): it resumed from its first iteration - 1.
+        self._resume_known = first or any(e.kind == "restart" for e in events)
+        open_iter: Optional[tuple[int, float]] = None
+        open_save = open_load = None
+        boundary = start  # the start of an iteration whose iteration_start is missing
+        clean = False
+        for e in events:
+            t = at[e.seq]
+            if e.kind == "iteration_start":
+                if open_iter is not None:
+                    self._incomplete(session.id, open_iter, t)
+                self._iteration_begins(t, e.iteration)
+                open_iter = (e.iteration, t)
+            elif e.kind == "iteration_end":
+                if open_iter is not None and open_iter[0] == e.iteration:
+                    begin = open_iter[1]
+                else:
+                    if open_iter is not None:
+                        self._incomplete(session.id, open_iter, t)
+                    begin = boundary
+                    self._iteration_begins(begin, e.iteration)
+                open_iter = None
+                record = IterationRecord(session.id, e.iteration, begin, t, tokens=int(e.data.get("tokens", 0)),
+                                         stats=e.data.get("stats", {}), measured=e.data.get("measured_ranks", 0) > 0)
+                self.records.append(record)
+                self.spans.append((begin, t, _ITER, record))
+                boundary = t
+            elif e.kind == "checkpoint_save_start":
+                open_save = t
+            elif e.kind == "checkpoint_save_end":
+                self.spans.append((open_save if open_save is not None else t, t, _SAVE, "checkpoint_save"))
+                open_save, boundary = None, t
+                if e.data.get("ok", True) and e.iteration is not None:
+                    self.last_saved, self.saves = e.iteration, self.saves + 1
+            elif e.kind == "checkpoint_load_start":
+                open_load = t
+            elif e.kind == "checkpoint_load_end":
+                self.spans.append((open_load if open_load is not None else t, t, _LOAD, "checkpoint_load"))
+                open_load, boundary = None, t
+            elif e.kind == "data_wait":
+                self.spans.append((max(start, t - float(e.data.get("seconds", 0.0))), t, _DATA, "data_loading"))
+                boundary = t
+            elif e.kind == "disruption":
+                self.pending = Disruption(t, session.id, str(e.data.get("kind", "disruption")),
+                                          str(e.data.get("message", "")), e.data.get("rank", e.rank))
+                self.disruptions.append(self.pending)
+                if open_iter is not None:
+                    self._incomplete(session.id, open_iter, t)
+                    open_iter = None
+                self._set_mode(t, "recovery")
+            elif e.kind == "restart":
+                self._restart(int(e.data.get("resumed_from", e.iteration or 0)), cause=self.pending)
+            elif e.kind == "job_end":
+                clean = True
+        for opened, priority, name in ((open_save, _SAVE, "checkpoint_save"), (open_load, _LOAD, "checkpoint_load")):
+            if opened is not None:
+                self.spans.append((opened, end, priority, name))
+        if not clean and not last_live and self.pending is None:
+            last = events[-1]
+            self.pending = Disruption(end, session.id, "unclean-exit", inferred=True, message=(
+                f"process {session.pid} on {session.host} stopped without job_end (killed, crashed or preempted); "
+                f"last event: {last.kind}" + (f" of iteration {last.iteration}" if last.iteration is not None else "")))
+            self.disruptions.append(self.pending)
+        if open_iter is not None and not last_live:
+            self._incomplete(session.id, open_iter, end)
+        self._marks.append((end, self._mode))
+        for (a, category), (b, _) in zip(self._marks, self._marks[1:]):
+            self._base(a, b, category)
+        return end
+
+    def _iteration_begins(self, t: float, number: int) -> None:
+        if not self._resume_known:
+            self._restart(number - 1, cause=self.pending)
+            self._resume_known = True
+        if self.pending is not None:
+            self.pending.resumed_at_s = t
+            self.pending = None
+        self._set_mode(t, "other")
+
+    def _set_mode(self, t: float, mode: str) -> None:
+        if mode != self._mode:
+            self._marks.append((t, mode))
+            self._mode = mode
+
+    def _base(self, a: float, b: float, category: str) -> None:
+        if b > a:
+            self.spans.append((a, b, _BASE, category))
+
+    def _incomplete(self, session: int, open_iter: tuple[int, float], t: float) -> None:
+        record = IterationRecord(session, open_iter[0], open_iter[1], t, fate="incomplete")
+        self.records.append(record)
+        if self.pending is not None:  # cut short by this disruption
+            self.pending.wasted_s += record.duration
+        self.spans.append((record.start, record.end, _ITER, record))
+
+    def _restart(self, resumed_from: int, *, cause: Optional[Disruption]) -> None:
+        for record in self.records:
+            if record.fate == "kept" and record.iteration > resumed_from:
+                record.fate = "wasted"
+                if cause is not None:
+                    cause.wasted_iterations += 1
+                    cause.wasted_s += record.duration
+        if cause is not None and cause.resumed_from is None:
+            cause.resumed_from = resumed_from if resumed_from >= 0 else None
+
+
+def compute_goodput(ledger: Ledger, *, bins: int = 60) -> GoodputReport:
+    walk = _Walk(ledger)
+    walk.run()
+    totals = {name: 0.0 for name in ("productive", "fb_compute", *CATEGORIES)}
+    segments = _sweep(walk.spans, totals)
+    completed = [r for r in walk.records if r.fate != "incomplete"]
+    kept = [r for r in walk.records if r.fate == "kept"]
+    return GoodputReport(
+        path=ledger.path, job=ledger.job, live=ledger.live, start_wall=walk.origin, wall_s=walk.end,
+        productive_s=totals["productive"], fb_compute_s=totals["fb_compute"],
+        badput={name: totals[name] for name in CATEGORIES},
+        tokens_total=sum(r.tokens for r in completed), tokens_kept=sum(r.tokens for r in kept),
+        iteration_time_s=sum(r.duration for r in completed), iterations=walk.records,
+        disruptions=walk.disruptions, sessions=sum(1 for s in ledger.sessions if ledger.by_session.get(s.id)),
+        checkpoint_saves=walk.saves, timeline=_bin(segments, walk.end, bins),
+        breakdown=_breakdown(kept))
+
+
+def _sweep(spans: list, totals: dict) -> list[tuple[float, float, dict]]:
+    """Cut the timeline at every span boundary; each piece goes to its highest-priority
+    span. Returns the pieces (start, end, {category: seconds}) and adds them to totals."""
+    points = sorted({p for s in spans for p in (s[0], s[1])})
+    starts = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    active: list[dict[int, None]] = [dict() for _ in range(_BASE + 1)]
+    ends: dict[float, list[int]] = {}
+    segments = []
+    k = 0
+    for a, b in zip(points, points[1:]):
+        for i in ends.pop(a, ()):
+            active[spans[i][2]].pop(i, None)
+        while k < len(starts) and spans[starts[k]][0] <= a:
+            i = starts[k]
+            if spans[i][1] > a:
+                active[spans[i][2]][i] = None
+                ends.setdefault(spans[i][1], []).append(i)
+            k += 1
+        chosen = next((next(reversed(level)) for level in active if level), None)
+        if chosen is None:
+            continue  # no span covers (a, b): cannot happen inside the job's timeline
+        piece = _attribute(spans[chosen], b - a)
+        for name, seconds in piece.items():
+            totals[name] += seconds
+        segments.append((a, b, piece))
+    return segments
+
+
+def _attribute(span, length: float) -> dict[str, float]:
+    payload = span[3]
+    if isinstance(payload, IterationRecord):
+        return {name: share * length for name, share in payload.shares().items()}
+    return {payload: length}
+
+
+def _bin(segments, wall_s: float, bins: int) -> list[dict]:
+    """Seconds per category in ``bins`` equal slices of the job (for the chart)."""
+    if wall_s <= 0 or bins < 1:
+        return []
+    width = wall_s / bins
+    out = [{"start_s": i * width, "end_s": (i + 1) * width, **{n: 0.0 for n in ("productive", *CATEGORIES)}}
+           for i in range(bins)]
+    for a, b, piece in segments:
+        first, last = int(a // width), min(bins - 1, int(b // width))
+        for i in range(max(0, first), last + 1):
+            overlap = min(b, (i + 1) * width) - max(a, i * width)
+            if overlap > 0:
+                for name, seconds in piece.items():
+                    if name in out[i]:
+                        out[i][name] += seconds * overlap / (b - a)
+    return out
+
+
+def _breakdown(kept: list[IterationRecord]) -> dict[str, dict[str, float]]:
+    """Mean over kept iterations of the per-iteration min / median / max across ranks."""
+    measured = [r for r in kept if r.measured and r.stats]
+    out: dict[str, dict[str, float]] = {}
+    for name in BREAKDOWN_FIELDS:
+        rows = [r.stats[name] for r in measured if name in r.stats]
+        if rows:
+            out[name] = {"min": statistics.fmean(v[0] for v in rows), "median": statistics.fmean(v[1] for v in rows),
+                         "max": statistics.fmean(v[3] for v in rows)}
+    if kept:
+        durations = [r.duration for r in kept]
+        out["iteration_s"] = {"min": min(durations), "median": statistics.median(durations), "max": max(durations)}
+    return out

@@ -1,0 +1,172 @@
+"""``megatron-rrfp goodput LEDGER [--json PATH] [--png PATH]``: where did the job's time go?
+
+Reads the SQLite ledger a job wrote with ``--rrfp-goodput-ledger`` (it may still be
+running: the report then covers what is committed so far), prints the table, optionally
+writes the figures as JSON and a chart (goodput over time above, badput stacked below).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .accounting import CATEGORIES, GoodputReport, goodput_report
+
+LABELS = {
+    "startup": "startup", "checkpoint_save": "checkpoint save", "checkpoint_load": "checkpoint load",
+    "data_loading": "data loading", "wasted_progress": "wasted progress (lost work)", "recovery": "recovery",
+    "pipeline_bubble": "pipeline bubbles", "tp_coordination": "TP coordination", "other": "other",
+}
+COLORS = {
+    "productive": "#55A868", "startup": "#8C8C8C", "checkpoint_save": "#4C72B0", "checkpoint_load": "#64B5CD",
+    "data_loading": "#CCB974", "wasted_progress": "#C44E52", "recovery": "#DD8452", "pipeline_bubble": "#DDDDDD",
+    "tp_coordination": "#8172B3", "other": "#DA8BC3",
+}
+FIELD_LABELS = {
+    "compute_s": "F/B compute", "wait_s": "bubble (wait on readiness)", "backpressure_s": "backpressure",
+    "agree_s": "TP agreement", "flush_s": "flush (last sends)", "data_wait_s": "data wait",
+    "schedule_s": "schedule call (wall)",
+}
+
+
+def add_goodput_parser(sub) -> None:
+    p = sub.add_parser("goodput", help="goodput report of a job's ledger: where did the time go?",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ledger", metavar="LEDGER", help="the SQLite file given to --rrfp-goodput-ledger")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--png", metavar="PATH", help="draw goodput over time and the stacked badput")
+    p.add_argument("--bins", type=int, default=60, help="time slices in the chart and JSON timeline (default 60)")
+    p.set_defaults(func=run_goodput)
+
+
+def run_goodput(args: argparse.Namespace) -> int:
+    if args.bins < 1:
+        raise ValueError(f"--bins must be >= 1, got {args.bins}")
+    report = goodput_report(args.ledger, bins=args.bins)  # LedgerError (a ValueError): one clear line
+    print(format_report(report))
+    if args.json:
+        _makedirs_for(args.json)
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report.to_dict(), handle, indent=1)
+        print(f"figures: {args.json}")
+    if args.png:
+        plot_goodput(report, args.png)
+        print(f"chart: {args.png}")
+    return 0
+
+
+def format_report(report: GoodputReport) -> str:
+    wall = report.wall_s
+    share = (lambda s: f"{100 * s / wall:6.1f}%") if wall > 0 else (lambda s: "     -")
+    plural = lambda n, word: f"{n} {word}{'' if n == 1 else ('es' if word.endswith('s') else 's')}"  # noqa: E731
+    lines = [
+        f"goodput ledger {report.path}" + (f"  (job {report.job})" if report.job else "")
+        + ("  [job still running: up to the last committed event]" if report.live else ""),
+        f"{plural(report.sessions, 'process')}, {plural(len(report.disruptions), 'disruption')}, "
+        f"{plural(report.checkpoint_saves, 'checkpoint save')}",
+        f"wall time {_duration(wall)}   goodput {100 * report.goodput:.1f}%   "
+        f"goodput {report.goodput_tokens_per_s:,.1f} tokens/s (kept tokens / wall time)   "
+        f"throughput {report.throughput_tokens_per_s:,.1f} tokens/s (all tokens / iteration time)",
+        f"iterations: {report.count('kept') + report.count('wasted')} completed, {report.count('kept')} kept, "
+        f"{report.count('wasted')} redone after a disruption, {report.count('incomplete')} cut short",
+        "",
+        f"{'where the time went':<30}{'seconds':>12}{'share':>9}",
+        f"{'productive':<30}{report.productive_s:>12.2f}{share(report.productive_s)}",
+        f"{'  F/B compute':<30}{report.fb_compute_s:>12.2f}{share(report.fb_compute_s)}",
+        f"{'  rest (optimizer, unsplit...)':<30}{report.productive_s - report.fb_compute_s:>12.2f}"
+        f"{share(report.productive_s - report.fb_compute_s)}",
+    ]
+    for name in CATEGORIES:
+        lines.append(f"{LABELS[name]:<30}{report.badput[name]:>12.2f}{share(report.badput[name])}")
+    lines.append(f"{'total (= wall time)':<30}{report.accounted_s:>12.2f}{share(report.accounted_s)}")
+    if report.unmeasured_iterations:
+        lines.append(f"note: {report.unmeasured_iterations} kept iterations had no RRFP breakdown (Megatron's own "
+                     "schedule?): their bubbles and TP time are not observable and count as productive")
+    fields = [f for f in FIELD_LABELS if f in report.breakdown]
+    if fields:
+        lines += ["", "per-iteration breakdown across ranks, seconds (mean over kept iterations)",
+                  f"{'':<30}{'min':>10}{'median':>10}{'max':>10}"]
+        for name in fields:
+            row = report.breakdown[name]
+            lines.append(f"{FIELD_LABELS[name]:<30}{row['min']:>10.4f}{row['median']:>10.4f}{row['max']:>10.4f}")
+    if "iteration_s" in report.breakdown:
+        row = report.breakdown["iteration_s"]
+        lines.append(f"{'iteration (across iterations)':<30}"
+                     f"{row['min']:>10.4f}{row['median']:>10.4f}{row['max']:>10.4f}")
+    if report.disruptions:
+        lines += ["", "disruptions"]
+        for d in report.disruptions:
+            who = f" on rank {d.rank}" if d.rank is not None else ""
+            resumed = ("not resumed" if d.resumed_at_s is None else
+                       f"training again {_duration(d.time_to_resume_s)} later"
+                       + (f", from iteration {d.resumed_from}" if d.resumed_from is not None else ""))
+            lines.append(f"  at {_duration(d.time_s)}: {d.kind}{who}{' (inferred)' if d.inferred else ''}; {resumed}; "
+                         f"{plural(d.wasted_iterations, 'iteration')} redone, {d.wasted_s:.2f} s of work lost")
+            if d.message:
+                lines.append(f"      {d.message.splitlines()[0][:160]}")
+    return "\n".join(lines)
+
+
+def plot_goodput(report: GoodputReport, path: str) -> str:
+    """Top: goodput per time slice and cumulative. Bottom: badput shares per slice, stacked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = report.timeline
+    scale, unit = _time_unit(report.wall_s)
+    x = [(b["start_s"] + b["end_s"]) / 2 / scale for b in bins]
+    width = [(b["end_s"] - b["start_s"]) / scale for b in bins]
+    slice_s = [max(b["end_s"] - b["start_s"], 1e-12) for b in bins]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, height_ratios=(1, 1.4))
+    goodput = [b["productive"] / s for b, s in zip(bins, slice_s)]
+    done, total = 0.0, 0.0
+    cumulative = []
+    for b, s in zip(bins, slice_s):
+        done, total = done + b["productive"], total + s
+        cumulative.append(done / total)
+    top.bar(x, goodput, width=width, color=COLORS["productive"], alpha=0.55, label="goodput per slice")
+    top.plot(x, cumulative, color="black", linewidth=1.5, label="cumulative goodput")
+    top.set_ylim(0, 1.05)
+    top.set_ylabel("goodput (productive / wall)")
+    top.set_title(f"{report.job or os.path.basename(report.path)} - goodput {100 * report.goodput:.1f}% over "
+                  f"{_duration(report.wall_s)}; {report.goodput_tokens_per_s:,.0f} good tokens/s vs "
+                  f"{report.throughput_tokens_per_s:,.0f} tokens/s throughput", fontsize=9, loc="left")
+    top.legend(fontsize=8, loc="lower right")
+    base = [0.0] * len(bins)
+    for name in CATEGORIES:
+        values = [b[name] / s for b, s in zip(bins, slice_s)]
+        if any(v > 0 for v in values):
+            bottom.bar(x, values, width=width, bottom=base, color=COLORS[name],
+                       label=f"{LABELS[name]} {report.badput[name]:.1f} s")
+            base = [a + v for a, v in zip(base, values)]
+    for d in report.disruptions:
+        for axis in (top, bottom):
+            axis.axvline(d.time_s / scale, color=COLORS["wasted_progress"], linestyle="--", linewidth=1)
+    bottom.set_ylim(0, 1.05)
+    bottom.set_ylabel("badput share of each slice")
+    bottom.set_xlabel(f"time since the job started ({unit})")
+    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    _makedirs_for(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 3 * 3600:
+        return 3600.0, "h"
+    if seconds >= 3 * 60:
+        return 60.0, "min"
+    return 1.0, "s"
+
+
+def _duration(seconds: float) -> str:
+    scale, unit = _time_unit(seconds)
+    return f"{seconds / scale:.1f} {unit}" if unit != "s" else f"{seconds:.1f} s"
+
+
+def _makedirs_for(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

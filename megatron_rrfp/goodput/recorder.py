@@ -1,0 +1,288 @@
+"""Recording goodput from a training loop, and RRFP's breakdown in Megatron's timers.
+
+Every rank makes the same calls; only ``rank == 0`` owns a ``LedgerWriter``. No call
+raises or blocks for long (a broken ledger gives one ``LedgerWarning``) -- except the
+constructor, which raises ``LedgerBusyError`` before training starts when another live
+process already writes this job's ledger. ``iteration()`` is COLLECTIVE when world > 1:
+it all-gathers 8 floats per rank (``breakdown_vector``) over the default process group
+so rank 0 records [min, median, mean, max] across ranks; every rank must call it, in the
+same order (pass ``gather=False`` to record rank 0's own breakdown only, no collective).
+With ``ledger_path=None`` (flag not given) every method is a no-op on every rank.
+
+Train driver (``megatron_rrfp/train.py``)::
+
+    from megatron_rrfp.goodput import GoodputRecorder
+    from megatron_rrfp.schedule import last_iteration_report
+
+    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=dist.get_rank(),
+                               world=dist.get_world_size(), job=run_name)
+    recorder.job_start(pp=pp, tp=tp, dp=dp)            # right after init_process_group
+    if resuming:
+        with recorder.checkpoint_load():
+            resumed = checkpoint.load(...)
+        recorder.restart(resumed.iteration)            # completed iterations > this were lost
+    try:
+        for it in range(first, last + 1):
+            recorder.iteration_start(it)
+            t0 = time.monotonic(); batch = next(data); data_wait = time.monotonic() - t0
+            ...forward_backward, optimizer step...
+            recorder.iteration(it, tokens=global_batch * seq_length,   # whole job, not per rank
+                               report=last_iteration_report(), data_wait_s=data_wait)
+            if it % save_interval == 0:
+                with recorder.checkpoint_save(it):     # "ok" only if the block did not raise
+                    checkpoint.save(...)
+    except BaseException as exc:
+        recorder.disruption(type(exc).__name__, str(exc), rank=dist.get_rank())  # flushes <= 2 s
+        raise
+    recorder.job_end()                                 # flushes <= close_timeout_s, closes
+
+A data wait outside any iteration (e.g. the first prefetch): ``recorder.data_wait(seconds)``
+right after it ended. Inside an iteration, pass it as ``data_wait_s`` instead (not both).
+``disruption()`` is written only from rank 0 (the one writer); a rank that dies alone
+shows up as rank 0's own error, or -- when the whole job is killed -- as the
+"unclean-exit" the report infers from a process that never wrote ``job_end``.
+
+Megatron-LM plugin (``megatron_rrfp/integration.py``), wrapping names in
+``megatron.training.training`` (they are resolved at call time there):
+
+    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=torch.distributed.get_rank(),
+                               world=torch.distributed.get_world_size(),
+                               since_wall=megatron.training.training._TRAIN_START_TIME)
+    recorder.job_start(); extend_timer_logging(get_timers())          # once, every rank
+    load_checkpoint(...)         -> with recorder.checkpoint_load(): ...; then if iteration > 0:
+                                    recorder.restart(iteration)
+    save_checkpoint_and_time(iteration, ...) -> with recorder.checkpoint_save(iteration): ...
+    train_step(...)              -> it = args.curr_iteration + 1; recorder.iteration_start(it); out = train_step(...)
+                                    report = last_iteration_report()
+                                    recorder.iteration(it, tokens=args.global_batch_size * args.seq_length,
+                                                       report=report)
+                                    publish_to_timers(get_timers(), report)
+    pretrain(...) returns        -> recorder.job_end();  raises -> recorder.disruption(...); raise
+
+``publish_to_timers`` adds the breakdown to timers 'rrfp-compute', 'rrfp-bubble',
+'rrfp-backpressure', 'rrfp-tp-agreement', 'rrfp-flush' (log level 1, like
+'forward-backward'; shown with ``--timing-log-level >= 1``). Megatron-LM's
+``training_log`` logs and writes to TensorBoard (``--log-timers-to-tensorboard``) a fixed
+list of names; ``extend_timer_logging(timers)`` appends the rrfp-* names whenever that
+list is logged (it contains 'forward-backward'), identically on all ranks as those
+collective calls require.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Optional, Union
+
+from .accounting import BREAKDOWN_FIELDS, summarize_ranks
+from .schema import Clock, LedgerWarning, system_clock
+from .writer import LedgerWriter
+
+TIMER_NAMES = {"compute_s": "rrfp-compute", "wait_s": "rrfp-bubble", "backpressure_s": "rrfp-backpressure",
+               "agree_s": "rrfp-tp-agreement", "flush_s": "rrfp-flush"}
+"""IterationReport field -> Megatron timer name."""
+
+Gather = Callable[[list], list]
+
+
+def breakdown_vector(report, data_wait_s: float = 0.0) -> list[float]:
+    """This rank's iteration as floats in ``BREAKDOWN_FIELDS`` order, then 1.0 if measured.
+    ``report``: an ``executor.IterationReport`` (seconds) or None (a non-RRFP schedule)."""
+    if report is None:
+        return [0.0] * (len(BREAKDOWN_FIELDS) - 2) + [float(data_wait_s), 0.0, 0.0]
+    return [float(report.compute_s), float(report.wait_s), float(report.backpressure_s), float(report.agree_s),
+            float(report.flush_s), float(data_wait_s), float(report.wall_s), 1.0]
+
+
+def all_gather_vectors(vector: list[float], group=None) -> list[list[float]]:
+    """Every rank's vector, by rank (torch.distributed all_gather; CUDA tensors on NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [vector]
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(vector, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+class GoodputRecorder:
+    """The training loop's goodput hooks; see the module docstring for the calls."""
+
+    def __init__(self, ledger_path: Optional[str], *, rank: int, world: int, job: Optional[str] = None,
+                 gather: Union[bool, Gather] = True, writer_rank: int = 0, since_wall: Optional[float] = None,
+                 close_timeout_s: float = 5.0, clock: Optional[Clock] = None, info: Optional[dict] = None) -> None:
+        self.rank, self.world = rank, world
+        self.enabled = bool(ledger_path)
+        self.close_timeout_s = close_timeout_s
+        self._clock = clock or system_clock
+        self._warned: set[str] = set()
+        self.writer: Optional[LedgerWriter] = None
+        if self.enabled and rank == writer_rank:
+            self.writer = LedgerWriter(ledger_path, job=job, clock=self._clock, since_wall=since_wall,
+                                       info={"world": world, **(info or {})})
+        if gather is True:
+            self._gather: Optional[Gather] = all_gather_vectors if self.enabled and world > 1 else None
+        else:
+            self._gather = gather or None
+
+    # -- job ------------------------------------------------------------------------
+
+    def job_start(self, **info) -> None:
+        self._write("job_start", data={"world": self.world, **info})
+
+    def job_end(self) -> None:
+        """Record a clean end and close (waits at most ``close_timeout_s``)."""
+        self._write("job_end")
+        self.close()
+
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        if self.writer is not None:
+            self.writer.close(self.close_timeout_s if timeout_s is None else timeout_s)
+
+    # -- iterations -----------------------------------------------------------------
+
+    def iteration_start(self, iteration: int) -> None:
+        self._write("iteration_start", iteration=iteration)
+
+    def iteration(self, iteration: int, tokens: int, report=None, data_wait_s: float = 0.0) -> None:
+        """Iteration ``iteration`` completed, processing ``tokens`` tokens (whole job).
+        Collective when gathering (see the module docstring)."""
+        if not self.enabled:
+            return
+        at = self._clock()  # the end is now, not after the all-gather
+        vector = breakdown_vector(report, data_wait_s)
+        vectors = [vector]
+        if self._gather is not None:
+            try:
+                vectors = self._gather(vector)
+            except Exception as exc:  # every rank keeps calling, so the collectives stay matched
+                self._warn("gather", f"goodput: per-rank breakdown not gathered ({exc}); recording rank "
+                                     f"{self.rank}'s own")
+        if self.writer is not None:
+            self._write("iteration_end", iteration=iteration, at=at, data=summarize_ranks(vectors, tokens))
+
+    def data_wait(self, seconds: float) -> None:
+        """A data-loading wait outside any iteration, of ``seconds``, that ended just now."""
+        self._write("data_wait", data={"seconds": float(seconds)})
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def checkpoint_save_start(self, iteration: int) -> None:
+        self._write("checkpoint_save_start", iteration=iteration)
+
+    def checkpoint_save_end(self, iteration: int, *, ok: bool = True) -> None:
+        """``ok=False``: the save failed, so ``iteration`` is no resume point."""
+        self._write("checkpoint_save_end", iteration=iteration, data={"ok": ok})
+
+    @contextlib.contextmanager
+    def checkpoint_save(self, iteration: int):
+        self.checkpoint_save_start(iteration)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.checkpoint_save_end(iteration, ok=ok)
+
+    def checkpoint_load_start(self) -> None:
+        self._write("checkpoint_load_start")
+
+    def checkpoint_load_end(self, iteration: Optional[int] = None, *, ok: bool = True) -> None:
+        self._write("checkpoint_load_end", iteration=iteration, data={"ok": ok})
+
+    @contextlib.contextmanager
+    def checkpoint_load(self):
+        self.checkpoint_load_start()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.checkpoint_load_end(ok=ok)
+
+    # -- failures -------------------------------------------------------------------
+
+    def disruption(self, kind: str, message: str = "", rank: Optional[int] = None) -> None:
+        """Something stopped training (exception, stall, lost peer). Flushed at once: the
+        process is probably about to die."""
+        self._write("disruption", rank=rank, data={"kind": kind, "message": message[:4000], "rank": rank})
+        if self.writer is not None:
+            self.writer.flush(timeout_s=2.0)
+
+    def restart(self, resumed_from: int) -> None:
+        """This process resumed from the checkpoint of iteration ``resumed_from``."""
+        self._write("restart", iteration=resumed_from, data={"resumed_from": int(resumed_from)})
+
+    # -- internals ------------------------------------------------------------------
+
+    def _write(self, kind: str, **fields) -> None:
+        if self.writer is not None:
+            self.writer.write(kind, **fields)  # never raises
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, LedgerWarning, stacklevel=3)
+
+
+# -- Megatron timers -------------------------------------------------------------------
+
+def publish_to_timers(timers, report, *, log_level: int = 1) -> dict[str, float]:
+    """Add one iteration's RRFP breakdown (seconds) to Megatron ``Timers``; returns what was
+    added. Accumulates like a timer started and stopped, so Megatron-LM's per-interval
+    normalisation gives seconds per iteration. Never raises; a no-op for ``timers=None``,
+    ``report=None`` or timers below the timing log level (Megatron's DummyTimer)."""
+    added: dict[str, float] = {}
+    if timers is None or report is None:
+        return added
+    try:
+        for attr, name in TIMER_NAMES.items():
+            seconds = float(getattr(report, attr))
+            if _add_elapsed(timers(name, log_level=log_level), seconds):
+                added[name] = seconds
+    except Exception as exc:
+        warnings.warn(f"goodput: RRFP timers not published ({exc})", LedgerWarning, stacklevel=2)
+    return added
+
+
+def _add_elapsed(timer, seconds: float) -> bool:
+    if getattr(timer, "_started", False):
+        return False  # someone times it live: leave it alone
+    if hasattr(timer, "set_elapsed"):  # megatron-core >= 0.16
+        timer.set_elapsed(timer.elapsed(reset=False) + seconds)
+        return True
+    if hasattr(timer, "_elapsed"):
+        timer._elapsed += seconds
+        return True
+    return False  # DummyTimer: this log level is switched off
+
+
+class _WithRRFPNames:
+    """``timers.log`` / ``timers.write`` that append the rrfp-* names to training_log's list."""
+
+    def __init__(self, original: Callable, names: Iterable[str], trigger: str) -> None:
+        self.original, self.names, self.trigger = original, list(names), trigger
+
+    def __call__(self, names, *args, **kwargs):
+        if self.trigger in names:
+            names = list(names) + [n for n in self.names if n not in names]
+        return self.original(names, *args, **kwargs)
+
+
+def extend_timer_logging(timers, *, names: Iterable[str] = TIMER_NAMES.values(),
+                         trigger: str = "forward-backward") -> None:
+    """Make Megatron-LM's training_log print / TensorBoard-write the rrfp-* timers. Call once
+    on every rank (those calls are collective and need the same names everywhere)."""
+    if timers is None or isinstance(getattr(timers, "write", None), _WithRRFPNames):
+        return
+    for method in ("log", "write"):
+        setattr(timers, method, _WithRRFPNames(getattr(timers, method), names, trigger))
+
+
+__all__ = ["GoodputRecorder", "TIMER_NAMES", "all_gather_vectors", "breakdown_vector", "extend_timer_logging",
+           "publish_to_timers"]

@@ -1,0 +1,194 @@
+"""The one place that knows megatron-core's version differences (the schedule contract).
+
+Everything else in megatron_rrfp calls megatron-core's per-microbatch functions and reads
+its process groups through here; what has to be bent to run on a CPU-only host is in
+``cpu.py``, where Megatron-LM's training loop is hooked in ``megatron_lm/hookpoints.py``.
+
+Supported: megatron-core 0.15 - 0.19 (0.16.1 is what CPU CI installs; PyPI has no newer
+release for Python 3.11).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from packaging.version import Version
+
+# --------------------------------------------------------------------------- versions
+
+
+def _installed_version() -> Version:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return Version(version("megatron-core"))
+    except PackageNotFoundError:  # e.g. a source checkout on PYTHONPATH
+        from megatron.core import package_info
+
+        return Version(package_info.__version__)
+
+
+MEGATRON_CORE_VERSION: Version = _installed_version()
+
+
+# --------------------------------------------------------------------------- schedule calls
+#
+# The executor runs each microbatch through megatron-core's own forward_step /
+# backward_step, so loss scaling, per-token loss and MoE aux-loss scaling stay Megatron's.
+# Their signatures move between releases (0.19's backward_step drops model_type); these
+# wrappers pass only what the installed release accepts.
+
+
+
+def _schedules():
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules
+
+
+def _accepted(func, kwargs: dict) -> dict:
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def pipeline_device() -> torch.device:
+    """Where activations live: the current CUDA device, else CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def get_model_config(model):
+    from megatron.core.utils import get_model_config as _get
+
+    return _get(model)
+
+
+def model_type(model):
+    from megatron.core.utils import get_model_type
+
+    return get_model_type(model)
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                 config, **kwargs):
+    fn = _schedules().forward_step
+    return fn(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+              **_accepted(fn, kwargs))
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    fn = _schedules().backward_step
+    if "model_type" in inspect.signature(fn).parameters:  # <= 0.18
+        return fn(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    return fn(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def first_val_step(first_val_step_flag, forward_only: bool, cond: bool) -> bool:
+    return _schedules().check_first_val_step(first_val_step_flag, forward_only, cond)
+
+
+def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool) -> None:
+    _schedules().deallocate_output_tensor(out, deallocate_pipeline_outputs)
+
+
+def clear_embedding_activation_buffer(config, model, is_last_stage: bool):
+    fn = getattr(_schedules(), "clear_embedding_activation_buffer", None)
+    return fn(config, model, is_last_stage) if fn is not None else None
+
+
+def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage: bool, tp_group) -> None:
+    fn = getattr(_schedules(), "finish_embedding_wgrad_compute", None)
+    if fn is not None:
+        params = list(inspect.signature(fn).parameters)
+        fn(*(config, embedding_module, is_last_stage, tp_group)[: len(params)])
+
+
+def finalize_model_grads(config, models, num_tokens, *, pg_collection, force_all_reduce) -> None:
+    fn = config.finalize_model_grads_func
+    kwargs = _accepted(fn, dict(pg_collection=pg_collection, force_all_reduce=force_all_reduce))
+    fn(models, num_tokens, **kwargs)
+
+
+def expert_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_expert_model_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 1
+
+
+@dataclass
+class ScheduleGroups:
+    pp: Any
+    tp: Any
+    cp: Any
+    agreement_ranks: list
+    collection: Optional[Any]  # what to hand to finalize_model_grads (None: Megatron's globals)
+
+
+def process_groups(*, pg_collection=None, p2p_communicator=None) -> ScheduleGroups:
+    """The groups the schedule needs, from an explicit ProcessGroupCollection (0.15+) or
+    from megatron's parallel_state. Agreement spans tensor x context parallel ranks: both
+    run collectives inside every forward and backward."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if pg_collection is not None:
+        pp, tp, cp = pg_collection.pp, pg_collection.tp, pg_collection.cp
+        tp_cp = getattr(pg_collection, "tp_cp", None)
+        if tp_cp is None and cp.size() > 1:
+            raise ValueError("megatron_rrfp: pg_collection with context parallelism must carry 'tp_cp' "
+                             "(the tensor x context parallel group) for the TP agreement")
+        agreement = dist.get_process_group_ranks(tp_cp if tp_cp is not None else tp)
+    else:
+        pp = p2p_communicator.pp_group if p2p_communicator is not None else \
+            parallel_state.get_pipeline_model_parallel_group()
+        tp = parallel_state.get_tensor_model_parallel_group()
+        cp = parallel_state.get_context_parallel_group()
+        agreement = dist.get_process_group_ranks(parallel_state.get_tensor_and_context_parallel_group())
+    return ScheduleGroups(pp=pp, tp=tp, cp=cp, agreement_ranks=sorted(agreement), collection=pg_collection)
+
+
+def pipeline_parallel_size(schedule_pg_collection=None) -> int:
+    if schedule_pg_collection is not None and getattr(schedule_pg_collection, "pp", None) is not None:
+        return schedule_pg_collection.pp.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def megatron_schedule_lookup():
+    """Megatron's own ``get_forward_backward_func`` (the function object, as defined)."""
+    return _schedules().get_forward_backward_func
+
+
+def schedule_lookup_pipeline_size(pp_size: Optional[int], vp_size: Optional[int],
+                                  schedule_pg_collection=None) -> int:
+    """The pipeline size Megatron's ``get_forward_backward_func`` would act on.
+
+    Megatron (0.16 - 0.19): if pp_size and vp_size are both None, parallel_state decides;
+    otherwise pp_size is used as given. 0.19 also accepts ``schedule_pg_collection``; a
+    plain ProcessGroupCollection carries the pipeline group, a multi-module one selects a
+    schedule rrfp does not implement (raises rather than silently running 1F1B).
+    """
+    if _is_multi_module_collection(schedule_pg_collection):
+        raise ValueError("megatron_rrfp: a multi-module (MultiModuleProcessGroupCollection) pipeline was passed to "
+                         "get_forward_backward_func; rrfp does not run multi-module bridge schedules yet: use "
+                         "--pipeline-schedule 1f1b for this model")
+    if pp_size is not None:
+        return pp_size
+    return pipeline_parallel_size(schedule_pg_collection)
+
+
+def _is_multi_module_collection(collection) -> bool:
+    if collection is None:
+        return False
+    try:  # 0.19+
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+    except ImportError:
+        return False
+    return isinstance(collection, MultiModuleProcessGroupCollection)

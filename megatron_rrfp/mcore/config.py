@@ -1,0 +1,72 @@
+"""Options of the readiness-first schedule: one nested config, parsed and checked once.
+
+``RRFPConfig`` holds the policy's ``ArbiterConfig`` (hint, buffer limit, strict) beside the
+runtime's own options; the hint is parsed when the config is built, so a bad name or file
+fails at start-up, and every schedule call reuses the parsed hint. ``configure()`` sets the
+process-wide defaults (the Megatron-LM integration does this from the --rrfp-* flags).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from ..policy.arbiter import ArbiterConfig
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RRFPConfig:
+    """Options of the readiness-first schedule (Megatron-LM flags in parentheses)."""
+
+    arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
+    """The policy: hint (--rrfp-hint), buffer limit (--rrfp-buffer-limit), strict (--rrfp-strict)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """A rank with no progress for this long raises with a state dump (--rrfp-timeout)."""
+    record_spans: bool = False
+    """Keep per-task timestamps for traces (--rrfp-trace-dir turns it on)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s (--rrfp-timeout) must be > 0 seconds, got {self.timeout_s!r}")
+
+    @classmethod
+    def of(cls, **options) -> RRFPConfig:
+        """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options) -> RRFPConfig:
+        """A copy with flat keywords applied; ``None`` values are ignored (not given)."""
+        options = {k: v for k, v in options.items() if v is not None}
+        policy = {k: options.pop(k) for k in _ARBITER_FIELDS if k in options}
+        unknown = set(options) - _OWN_FIELDS
+        if unknown:
+            raise TypeError(f"unknown rrfp option(s) {sorted(unknown)}; known: "
+                            f"{sorted(_ARBITER_FIELDS | _OWN_FIELDS)}")
+        arbiter = replace(self.arbiter, **policy) if policy else self.arbiter
+        return replace(self, arbiter=arbiter, **options)
+
+
+_ARBITER_FIELDS = frozenset(f.name for f in fields(ArbiterConfig))
+_OWN_FIELDS = frozenset(f.name for f in fields(RRFPConfig)) - {"arbiter"}
+
+_defaults = RRFPConfig()
+
+
+def configure(**options) -> RRFPConfig:
+    """Set the process-wide defaults used when Megatron calls the schedule without RRFP
+    keywords. A bad hint or limit raises here, not mid-training."""
+    global _defaults
+    _defaults = _defaults.with_options(**options)
+    return _defaults
+
+
+def defaults() -> RRFPConfig:
+    return _defaults
+
+
+def set_defaults(config: RRFPConfig) -> None:
+    global _defaults
+    _defaults = config
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RRFPConfig", "configure", "defaults", "set_defaults"]

@@ -1,0 +1,151 @@
+"""Megatron-core's schedule contract, run by the readiness-first executor.
+
+``forward_backward_rrfp`` takes exactly the keyword arguments of megatron-core's
+``forward_backward_pipelining_without_interleaving`` (plus ``hint=``, ``buffer_limit=``,
+``strict=``, ``timeout_s=``, ``rrfp_config=``) and returns the same thing: the
+per-microbatch loss dicts on the last stage, ``[]`` elsewhere. Each microbatch runs
+through megatron-core's own ``forward_step`` / ``backward_step`` (``stage_work.py``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..policy.plan import Plan
+from ..policy.topology import Topology
+from ..runtime.agreement import TPAgreement
+from ..runtime.executor import IterationReport, PipelineIteration
+from . import compat
+from .config import RRFPConfig, defaults
+from .grad_sync import GradSyncController
+from .session import session
+from .stage_work import MegatronStageWork, weight_grad_store
+
+_last_reports: list[IterationReport] = []
+
+
+def last_iteration_report() -> Optional[IterationReport]:
+    """What this rank did in its most recent schedule call (order, timings, spans)."""
+    return _last_reports[-1] if _last_reports else None
+
+
+_UNSUPPORTED_FLAGS = {
+    "overlap_p2p_comm": "rrfp overlaps communication by design (sender/receiver threads); set overlap_p2p_comm=False",
+    "num_microbatches_with_partial_activation_checkpoints":
+        "partial activation checkpointing per microbatch assumes 1F1B's order; unset it with rrfp",
+}
+
+
+def _check_supported(config, models) -> None:
+    for flag, fix in _UNSUPPORTED_FLAGS.items():
+        if flag == "overlap_p2p_comm" and len(models) > 1:
+            continue  # Megatron-LM's default for interleaving; RRFP's transport always overlaps
+        if getattr(config, flag, None) not in (None, False):
+            raise ValueError(f"megatron_rrfp: config.{flag}={getattr(config, flag)!r} is not supported: {fix}")
+    if compat.expert_parallel_size() > 1:
+        raise ValueError("megatron_rrfp: expert_model_parallel_size > 1 is not supported yet (expert all-to-alls "
+                         "span data-parallel ranks and would need agreement across them); use the 1f1b schedule")
+
+
+def forward_backward_rrfp(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+    hint=None,
+    buffer_limit: Optional[int] = None,
+    strict: Optional[bool] = None,
+    timeout_s: Optional[float] = None,
+    rrfp_config: Optional[RRFPConfig] = None,
+    **unused_kwargs,
+):
+    """Readiness-first drop-in for megatron-core's pipelined forward-backward.
+
+    Tensor shapes travel with every message, so ``seq_length``, ``micro_batch_size``,
+    ``decoder_seq_length`` and ``adjust_tensor_shapes_fn`` need not describe them
+    (variable sequence lengths work as is); they are accepted for compatibility.
+    """
+    options = (rrfp_config or defaults()).with_options(hint=hint, buffer_limit=buffer_limit, strict=strict,
+                                                       timeout_s=timeout_s)
+    models = model if isinstance(model, list) else [model]
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
+    config = compat.get_model_config(models[0])
+    _check_supported(config, models)
+    groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
+    pp_ranks = dist.get_process_group_ranks(groups.pp)
+    if len(pp_ranks) < 2:
+        raise ValueError("megatron_rrfp: the pipeline-parallel size is 1; use Megatron's "
+                         "forward_backward_no_pipelining (get_forward_backward_func does this)")
+    stage = pp_ranks.index(dist.get_rank())
+    topology = Topology(len(pp_ranks), len(models))
+    plan = Plan.build(options.arbiter, topology, num_microbatches)
+    arbiter = plan.arbiter(stage, forward_only=forward_only)
+    wgrad_store = weight_grad_store(models) if arbiter.split_backward else None
+    runtime = session(pp_ranks, groups.agreement_ranks, compat.pipeline_device(), options.timeout_s)
+    agreement = None
+    if runtime.agreement_group is not None:
+        agreement = TPAgreement(runtime.agreement_group, num_microbatches=num_microbatches,
+                                num_chunks=len(models), split_backward=arbiter.split_backward,
+                                forward_only=forward_only)
+
+    is_last_stage = stage == len(pp_ranks) - 1
+    embedding_module = None
+    if config.finalize_model_grads_func is not None and not forward_only:
+        embedding_module = compat.clear_embedding_activation_buffer(config, model, is_last_stage)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+    grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
+                                   forward_only=forward_only)
+    grad_sync.start()
+    work = MegatronStageWork(
+        forward_step_func=forward_step_func, data_iterators=iterators, models=models,
+        num_microbatches=num_microbatches, config=config, topology=topology, stage=stage,
+        cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, grad_sync=grad_sync)
+    work.wgrad_store = wgrad_store
+    iteration = PipelineIteration(
+        work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
+        transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,
+        forward_only=forward_only, record_spans=options.record_spans)
+    report = iteration.run()
+    if wgrad_store is not None:
+        report.peak_deferred_wgrad_bytes = wgrad_store.peak_pending_bytes
+    _last_reports[:] = [report]
+
+    grad_sync.finish()
+    if config.finalize_model_grads_func is not None and not forward_only:
+        compat.finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, groups.tp)
+        compat.finalize_model_grads(config, models, work.total_num_tokens if config.calculate_per_token_loss else None,
+                                     pg_collection=groups.collection, force_all_reduce=force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return work.losses_in_microbatch_order()
+
+
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                              schedule_pg_collection=None):
+    """megatron-core's ``get_forward_backward_func`` with RRFP for pipelined runs (PP > 1)."""
+    if pp_size is None:
+        pp_size = compat.pipeline_parallel_size(schedule_pg_collection)
+    if pp_size > 1:
+        return forward_backward_rrfp
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    return forward_backward_no_pipelining
+
+
+__all__ = ["forward_backward_rrfp", "get_forward_backward_func", "last_iteration_report"]

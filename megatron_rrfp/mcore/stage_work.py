@@ -1,0 +1,132 @@
+"""One stage's F, B and W through megatron-core's own forward_step / backward_step.
+
+Only the *order* and the *communication* change under RRFP — never the math: loss
+scaling, per-token loss, MoE aux-loss scaling and the custom backward of deallocated
+outputs are megatron-core's.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from ..policy.actions import Task
+from ..policy.topology import Topology
+from . import compat
+from .grad_sync import GradSyncController
+
+
+class MicrobatchFeed:
+    """Megatron's data iterators are sequential; readiness-first may run microbatch 5's
+    forward before 4's. Item k of the underlying iterator belongs to microbatch k: the
+    feed reads ahead in order and caches, so every forward sees its own data. Assumes the
+    forward step calls ``next()`` at most once per microbatch (as Megatron-LM's do)."""
+
+    def __init__(self, iterator: Optional[Iterator]) -> None:
+        self._iterator = iterator
+        self._cache: dict[int, Any] = {}
+        self._consumed = 0
+
+    def view(self, microbatch: int) -> Optional[Iterator]:
+        return None if self._iterator is None else _MicrobatchView(self, microbatch)
+
+    def _item(self, microbatch: int) -> Any:
+        while self._consumed <= microbatch:
+            self._cache[self._consumed] = next(self._iterator)
+            self._consumed += 1
+        if microbatch not in self._cache:
+            raise RuntimeError(f"the forward step asked for microbatch {microbatch}'s data twice; "
+                               "rrfp supports one next(data_iterator) per microbatch")
+        return self._cache.pop(microbatch)
+
+
+class _MicrobatchView:
+    def __init__(self, feed: MicrobatchFeed, microbatch: int) -> None:
+        self._feed, self._microbatch = feed, microbatch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._feed._item(self._microbatch)
+
+
+# -- Megatron's per-microbatch work ---------------------------------------------------
+
+class MegatronStageWork:
+    """F and B of one stage through megatron-core's own forward_step / backward_step."""
+
+    def __init__(self, *, forward_step_func, data_iterators, models, num_microbatches: int, config,
+                 topology: Topology, stage: int, cp_size: int, forward_only: bool,
+                 collect_non_loss_data: bool, first_val_step, grad_sync: GradSyncController) -> None:
+        self.forward_step_func, self.models, self.config = forward_step_func, models, config
+        self.feeds = [MicrobatchFeed(it) for it in data_iterators]
+        self.num_microbatches, self.topology, self.stage, self.cp_size = num_microbatches, topology, stage, cp_size
+        self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.grad_sync = grad_sync
+        self.model_type = compat.model_type(models[0])
+        self.saved: dict[tuple[int, int], tuple[list, list]] = {}
+        self.wgrad_store = None  # set when the hint splits the backward (BFW)
+        self.outputs: dict[int, list] = {}
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=compat.pipeline_device())
+        self._forwards_run = [0] * len(models)
+
+    def forward(self, task: Task, input_tensor, send) -> None:
+        mb, chunk = task.microbatch, task.chunk
+        if input_tensor is not None and not self.forward_only:
+            input_tensor.requires_grad_()  # its .grad is what backward sends upstream
+        inputs = [input_tensor]
+        store: list = []
+        first = self._forwards_run[chunk] == 0
+        self._forwards_run[chunk] += 1
+        self.grad_sync.before_forward(chunk, first_of_chunk=first)
+        output, num_tokens = compat.forward_step(
+            self.forward_step_func, self.feeds[chunk].view(mb), self.models[chunk], self.num_microbatches,
+            inputs, store, self.config, cp_group_size=self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=compat.first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=mb,
+            vp_stage=chunk if self.topology.interleaved else None,
+            is_last_stage=self.topology.is_last(self.stage, chunk))
+        if store:
+            self.outputs[mb] = store
+        self.total_num_tokens += num_tokens.to(self.total_num_tokens.device)
+        if send is not None:
+            send(output[0])  # the transport keeps its own reference until the send completed
+        if not self.forward_only:
+            self.saved[(mb, chunk)] = (inputs, output)
+            compat.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+
+    def backward(self, task: Task, output_grad, send) -> None:
+        inputs, output = self.saved.pop((task.microbatch, task.chunk))
+        if self.wgrad_store is not None:  # B of a split backward: input gradients only
+            with self.wgrad_store.deferring((task.microbatch, task.chunk)):
+                input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
+            if send is not None:
+                send(input_grad[0])
+            return
+        self.grad_sync.before_backward(task.chunk)  # the chunk's last backward may reduce
+        input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
+        if send is not None:
+            send(input_grad[0])
+        self.grad_sync.after_backward(task.chunk)
+
+    def weight(self, task: Task) -> None:
+        """W of a split backward: the deferred weight gradients of one microbatch."""
+        self.wgrad_store.run((task.microbatch, task.chunk))
+
+    def losses_in_microbatch_order(self) -> list:
+        return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
+
+
+def weight_grad_store(models):
+    """BFW: weight gradients are deferred to W tasks. Gradient reductions stay off (no_sync)
+    through every B and W — the split backward never calls the grad-sync hooks — and run
+    after the last W (GradSyncController.finish, then finalize_model_grads), so with
+    overlap_grad_reduce the reduction is not overlapped with backward compute."""
+    from . import wgrad
+
+    wgrad.install(models)
+    return wgrad.WeightGradStore()

@@ -1,0 +1,179 @@
+"""Megatron-LM's training loop on CPU, process-wide (``python -m megatron_rrfp.launch --cpu``)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import time
+
+import torch
+
+from ..mcore.cpu import FACTORIES, cpu_factory, enable_cpu_reference_schedules
+from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
+
+# --------------------------------------------------------------------------- CPU training (launcher --cpu)
+#
+# Megatron-LM's training loop (megatron.training) assumes a CUDA device everywhere: it sets
+# the device, seeds CUDA RNG, times with CUDA events, builds tensors with device="cuda" or
+# .cuda(), and only initialises model parallelism when torch.cuda.device_count() > 0.
+# `python -m megatron_rrfp.launch --cpu` makes an unmodified entry script train on CPU over
+# gloo by redirecting those calls *process-wide*: unlike the per-module reference
+# redirects above, every megatron.training module and lazily imported helper would need
+# them, and the launcher's process runs nothing else. One-way on purpose: there is no
+# disable (the process has no CUDA to go back to).
+#   torch.cuda.device_count() -> 1        Megatron-LM then initialises model parallelism
+#   current_device / set_device           "cpu" / no-op (device= arguments become CPU)
+#   synchronize, streams, events          no-ops; Event times with perf_counter
+#   CUDA RNG (manual_seed, get/set_rng_state)  the CPU generator (fork() is a no-op above,
+#                                         so dropout draws from it)
+#   memory statistics, empty_cache        0 / no-op
+#   torch.<factory>(device="cuda"), Tensor.cuda(), Module.cuda()   stay on CPU
+#   initialize_megatron                   called with allow_no_cuda=True
+#   fused kernels (<= 0.16)               not built (torch fallbacks are used; pass the
+#                                         --no-*-fusion flags)
+
+_cpu_training = False
+
+
+def enable_cpu_training() -> bool:
+    """Make Megatron-LM's CUDA assumptions run on CPU (see the section comment).
+
+    Process-wide and idempotent; returns False (and changes nothing) when CUDA is
+    available. Call before the entry script runs; megatron.training hooks apply only if
+    megatron.training is importable.
+    """
+    global _cpu_training
+    if torch.cuda.is_available():
+        return False
+    if _cpu_training:
+        return True
+    enable_cpu_reference_schedules()
+    _redirect_torch_cuda()
+    _redirect_factories()
+    if megatron_arguments_module() is not None:
+        _initialize_without_cuda()
+        _skip_fused_kernels()
+    _cpu_training = True
+    return True
+
+
+class _CpuStream:
+    """A CUDA stream stand-in: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        event = event or _CpuEvent()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CpuEvent:
+    """A CUDA event stand-in; elapsed_time in milliseconds, like CUDA's."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end: _CpuEvent) -> float:
+        return (end._t - self._t) * 1000.0
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_seed(seed) -> None:
+    torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls back into cuda
+
+
+def _redirect_torch_cuda() -> None:
+    cuda = torch.cuda
+    stream = _CpuStream()
+    redirects = {
+        "device_count": lambda: 1,
+        "current_device": lambda: "cpu",
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "Stream": _CpuStream,
+        "Event": _CpuEvent,
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "set_stream": lambda s: None,
+        "empty_cache": lambda: None,
+        "manual_seed": _cpu_seed,
+        "manual_seed_all": _cpu_seed,
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "memory_stats": lambda device=None: {},
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+    for name, fn in redirects.items():
+        setattr(cuda, name, fn)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+def _redirect_factories() -> None:
+    """torch.zeros(..., device="cuda") and friends build CPU tensors instead."""
+    for name in FACTORIES:
+        if hasattr(torch, name):
+            setattr(torch, name, cpu_factory(getattr(torch, name)))
+
+
+def _initialize_without_cuda() -> None:
+    initialize = importlib.import_module(INITIALIZE_MODULE)
+    original = initialize.initialize_megatron
+    if getattr(original, "_rrfp_cpu", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["allow_no_cuda"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    initialize_megatron._rrfp_cpu = True
+    importlib.import_module("megatron.training.training")  # load the modules that bind it by name
+    rebind_loaded("initialize_megatron", original, initialize_megatron)
+
+
+def _skip_fused_kernels() -> None:
+    try:
+        fused_kernels = importlib.import_module(FUSED_KERNELS_MODULE)
+    except ImportError:  # 0.19+: nothing is built
+        return
+    fused_kernels.load = lambda args: None

@@ -1,0 +1,80 @@
+"""The ``--pipeline-schedule`` / ``--rrfp-*`` command-line flags, shared by the Megatron-LM
+integration, the project's training driver and the benchmarks (one definition, one set
+of checks, the same error messages everywhere)."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
+from ..policy.hints import BUILTIN_HINTS, HintError
+
+PIPELINE_SCHEDULES = ("1f1b", "rrfp")
+
+
+def add_rrfp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the flags to ``parser`` (an argparse parser or Megatron-LM's). Returns it."""
+    group = parser.add_argument_group("readiness-first pipeline schedule (megatron-rrfp)")
+    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                       help="1f1b: Megatron's own schedules (unchanged). rrfp: the readiness-first executor.")
+    group.add_argument("--rrfp-hint", default=DEFAULT_HINT,
+                       help=f"hint order: {', '.join(BUILTIN_HINTS)} or a JSON / CSV hint file "
+                            f"(default {DEFAULT_HINT})")
+    group.add_argument("--rrfp-buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
+                       help=f"microbatches in flight per stage before backpressure (default {DEFAULT_BUFFER_LIMIT})")
+    group.add_argument("--rrfp-strict", action="store_true",
+                       help="run the hint as a fixed order (baseline in the same runtime)")
+    group.add_argument("--rrfp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help=f"seconds without progress before a rank fails with a state dump "
+                            f"(default {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--rrfp-trace-dir", default=None,
+                       help="write a Chrome/Perfetto trace of measured task timings per rank here")
+    group.add_argument("--rrfp-goodput-ledger", default=None,
+                       help="SQLite goodput ledger path (job, iteration, checkpoint events)")
+    return parser
+
+
+def validate_rrfp_arguments(args: argparse.Namespace) -> Optional[RRFPConfig]:
+    """Check the flags and build the executor options once (the hint parsed and kept).
+    Returns the options when rrfp is selected, None for 1f1b. Raises ValueError naming
+    the flag and the fix; no silent fallback."""
+    schedule = getattr(args, "pipeline_schedule", "1f1b")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    for flag in ("rrfp_trace_dir", "rrfp_goodput_ledger"):
+        path = getattr(args, flag, None)
+        if path:
+            parent = path if flag == "rrfp_trace_dir" else (os.path.dirname(os.path.abspath(path)) or ".")
+            if os.path.exists(parent) and not os.path.isdir(parent):
+                raise ValueError(f"--{flag.replace('_', '-')} {path!r}: {parent!r} is not a directory")
+    if schedule == "1f1b" and _rrfp_flags_set(args):
+        raise ValueError("--rrfp-* flags were given but --pipeline-schedule is 1f1b; "
+                         "add --pipeline-schedule rrfp (or drop the --rrfp-* flags)")
+    config = rrfp_config_from_args(args)  # checks every value even for 1f1b: a typo never waits
+    return config if schedule == "rrfp" else None
+
+
+def _rrfp_flags_set(args: argparse.Namespace) -> bool:
+    defaults = add_rrfp_arguments(argparse.ArgumentParser(add_help=False)).parse_args([])
+    return any(getattr(args, k, getattr(defaults, k)) != getattr(defaults, k)
+               for k in vars(defaults) if k.startswith("rrfp_"))
+
+
+def rrfp_config_from_args(args: argparse.Namespace) -> RRFPConfig:
+    """The executor options the flags ask for; ValueError naming the flag on a bad value."""
+    if not isinstance(args.rrfp_buffer_limit, int) or args.rrfp_buffer_limit < 1:
+        raise ValueError(f"--rrfp-buffer-limit must be an integer >= 1, got {args.rrfp_buffer_limit!r} "
+                         f"(default {DEFAULT_BUFFER_LIMIT})")
+    if not args.rrfp_timeout > 0:
+        raise ValueError(f"--rrfp-timeout must be > 0 seconds, got {args.rrfp_timeout!r}")
+    try:
+        return RRFPConfig.of(hint=args.rrfp_hint, buffer_limit=args.rrfp_buffer_limit, strict=args.rrfp_strict,
+                             timeout_s=args.rrfp_timeout, record_spans=bool(getattr(args, "rrfp_trace_dir", None)))
+    except HintError as exc:
+        raise ValueError(f"--rrfp-hint: {exc}") from exc
+
+
+def selected(args: Optional[argparse.Namespace]) -> bool:
+    return args is not None and getattr(args, "pipeline_schedule", "1f1b") == "rrfp"

@@ -1,0 +1,312 @@
+"""Goodput ledger and RRFP traces for Megatron-LM's own training loop, without editing it.
+
+``megatron_rrfp.install()`` (which ``python -m megatron_rrfp.launch`` calls) attaches
+these hooks; they act in a run whose command line selects ``--pipeline-schedule rrfp``
+with ``--rrfp-goodput-ledger`` and/or ``--rrfp-trace-dir``::
+
+    torchrun --nproc-per-node 8 -m megatron_rrfp.launch pretrain_gpt.py \\
+        --pipeline-model-parallel-size 8 --pipeline-schedule rrfp \\
+        --rrfp-goodput-ledger run/goodput.db --rrfp-trace-dir run/traces ...
+    megatron-rrfp goodput run/goodput.db
+
+What wraps what (names of ``megatron.training.training``; hookpoints.py, section "Megatron-LM
+training-loop hooks", says why Megatron sees each wrapper and what differs by release):
+
+    pretrain                   job_end() on return (and on sys.exit(0)); on an exception
+                               disruption(type, message, rank), close, re-raise
+    setup_model_and_optimizer  before it: a GoodputRecorder on every rank (rank 0 writes)
+                               dating from Megatron's _TRAIN_START_TIME, job_start(pp, tp, ...),
+                               rrfp-* timers added to training_log's list (extend_timer_logging)
+    load_checkpoint            inside checkpoint_load(); restart(iteration) if it resumed
+    save_checkpoint_and_time,  inside checkpoint_save(iteration) (0.16.1's final save calls
+    save_checkpoint            save_checkpoint directly; a nested call records once)
+    train_step                 iteration_start(it) ... iteration(it, tokens, report) --
+                               COLLECTIVE (a small all-gather) on every rank --, the report's
+                               breakdown added to the rrfp-* timers (publish_to_timers), and
+                               every --log-interval iterations and at --train-iters this
+                               rank's spans written to DIR/rrfp-rank{R}-iter{N}.json
+
+it = args.curr_iteration + 1 (1-based, the number Megatron logs); tokens = current global
+batch x --seq-length (whole job, not per rank); R = global rank, which is also the trace's
+pid. report = the RRFP iteration that train_step ran (None when the step ran another
+schedule, e.g. at pipeline size 1: the ledger then counts the step as productive, unsplit).
+
+Neither the ledger nor a trace can stop training: the recorder never raises after its
+constructor (which raises LedgerBusyError, before any step, when another live process
+writes the same ledger), and a failed trace write gives one ``TraceWarning`` per process.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+from ..goodput.recorder import GoodputRecorder, extend_timer_logging, publish_to_timers
+from ..trace.chrome import write_chrome_trace
+from . import hookpoints
+
+__all__ = ["HookOptions", "HookWarning", "MegatronLMHooks", "TraceWarning", "TraceWriter", "trace_due"]
+
+
+class HookWarning(RuntimeWarning):
+    """Something the hooks need is missing or failed; training goes on without it.
+
+    A RuntimeWarning (like ledger.LedgerWarning), not a UserWarning: Megatron-LM's
+    pretrain_gpt.py ignores UserWarning on every rank but 0, and a trace that only one
+    rank cannot write must still be reported by that rank.
+    """
+
+
+class TraceWarning(HookWarning):
+    """A trace file could not be written; training goes on without it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HookOptions:
+    """What the hooks record in one Megatron-LM run (from its parsed flags)."""
+
+    ledger_path: Optional[str] = None
+    """--rrfp-goodput-ledger: the SQLite goodput ledger (rank 0 writes, every rank takes part)."""
+    trace_dir: Optional[str] = None
+    """--rrfp-trace-dir: per-rank Chrome/Perfetto traces of the latest RRFP iteration."""
+
+    @classmethod
+    def from_args(cls, args) -> HookOptions:
+        return cls(ledger_path=getattr(args, "rrfp_goodput_ledger", None) or None,
+                   trace_dir=getattr(args, "rrfp_trace_dir", None) or None)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.ledger_path or self.trace_dir)
+
+
+def trace_due(iteration: int, *, log_interval: Optional[int], last_iteration: Optional[int]) -> bool:
+    """Every ``log_interval`` iterations, and at the last one."""
+    return iteration == last_iteration or bool(log_interval and log_interval > 0 and iteration % log_interval == 0)
+
+
+class TraceWriter:
+    """One rank's measured spans -> ``DIR/rrfp-rank{R}-iter{N}.json``; never raises."""
+
+    def __init__(self, trace_dir: str, rank: int) -> None:
+        self.trace_dir, self.rank = trace_dir, rank
+        self.written = 0
+        self.failed = 0
+
+    def path(self, iteration: int) -> str:
+        return os.path.join(self.trace_dir, f"rrfp-rank{self.rank}-iter{iteration}.json")
+
+    def write(self, iteration: int, report) -> Optional[str]:
+        """Write ``report.spans`` (an executor.IterationReport); None if nothing was written."""
+        if report is None or not report.spans:
+            return None  # not an RRFP step, or spans were not recorded
+        path = self.path(iteration)
+        metadata = {"source": "megatron-rrfp measured", "iteration": iteration, "rank": self.rank,
+                    "stage": report.stage, "order": report.order_string, "wall_s": report.wall_s,
+                    "compute_s": report.compute_s, "wait_s": report.wait_s,
+                    "backpressure_s": report.backpressure_s, "agree_s": report.agree_s, "flush_s": report.flush_s}
+        try:
+            write_chrome_trace(report.spans, path, metadata=metadata,
+                               rank_labels={self.rank: f"rank {self.rank} (stage {report.stage})"})
+        except Exception as exc:  # mostly OSError; a trace is diagnostics and must not stop training
+            self.failed += 1
+            if self.failed == 1:
+                warnings.warn(f"megatron-rrfp: rank {self.rank}: trace {path} not written ({type(exc).__name__}: "
+                              f"{exc}); training continues; later trace failures on this rank are not reported",
+                              TraceWarning, stacklevel=2)
+            return None
+        self.written += 1
+        return path
+
+
+class _Run:
+    """One pretrain() call on this rank: its recorder, trace writer and checkpoint state."""
+
+    def __init__(self, *, options: HookOptions, margs, timers, training: types.ModuleType) -> None:
+        self.rank, self.world = _rank_world()
+        self.timers = timers
+        self.recorder = GoodputRecorder(options.ledger_path, rank=self.rank, world=self.world,
+                                        since_wall=hookpoints.train_start_time(training))
+        self.traces = TraceWriter(options.trace_dir, self.rank) if options.trace_dir else None
+        self.saving = False  # inside a recorded save: a nested save_checkpoint is the same save
+        self.resumed = False
+        self.recorder.job_start(**hookpoints.parallel_sizes(margs))
+        extend_timer_logging(timers)  # same names on every rank: Megatron's timers.log is collective
+
+    def step_done(self, iteration: int, report, margs) -> None:
+        self.recorder.iteration(iteration, tokens=hookpoints.tokens_per_iteration(margs), report=report)
+        publish_to_timers(self.timers, report)
+        if self.traces is not None:
+            log_interval, last_iteration = hookpoints.trace_points(margs)
+            if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
+                self.traces.write(iteration, report)
+
+    def end(self, error: Optional[BaseException]) -> None:
+        if error is None:
+            self.recorder.job_end()
+            return
+        message = f"exit code {error.code}" if isinstance(error, SystemExit) else str(error)
+        self.recorder.disruption(type(error).__name__, message, rank=self.rank)
+        self.recorder.close(timeout_s=2.0)  # releases the ledger lock for an in-process restart
+
+
+class MegatronLMHooks:
+    """The wrappers around one ``megatron.training.training`` module (see the module doc).
+
+    ``attach()`` wraps the entry point (inert until a run is active); ``activate(options)``
+    wraps the names Megatron looks up at call time and makes the next setup start a run;
+    ``deactivate()`` / ``detach()`` put Megatron's functions back (those still ours).
+    ``get_args`` / ``get_timers``: Megatron-LM's global_vars functions; ``last_report``:
+    megatron_rrfp.mcore.schedule.last_iteration_report (injectable for tests).
+    """
+
+    def __init__(self, training: types.ModuleType, *, get_args: Callable, get_timers: Callable,
+                 last_report: Optional[Callable] = None,
+                 names: hookpoints.TrainingLoopNames = hookpoints.TRAINING_LOOP_NAMES) -> None:
+        self.training, self.names = training, names
+        self.get_args, self.get_timers = get_args, get_timers
+        self.last_report = last_report or _last_iteration_report
+        self.options: Optional[HookOptions] = None
+        self.run: Optional[_Run] = None
+        self._entry: Optional[tuple] = None  # (Megatron's pretrain, our wrapper)
+        self._wrapped: dict[str, tuple] = {}  # name -> (Megatron's function, our wrapper)
+
+    # -- installing --------------------------------------------------------------------
+
+    def attach(self) -> None:
+        if self._entry is not None:
+            return
+        original = vars(self.training).get(self.names.entry)
+        if original is None:
+            warnings.warn(f"megatron-rrfp: {self.training.__name__}.{self.names.entry} not found; goodput ledger "
+                          "and traces are off for Megatron-LM runs", HookWarning, stacklevel=2)
+            return
+        wrapper = _wrapper(original, self._pretrain)
+        hookpoints.rebind_loaded(self.names.entry, original, wrapper)  # entry scripts import it by name
+        self._entry = (original, wrapper)
+
+    def activate(self, options: HookOptions) -> None:
+        self.options = options
+        handlers = {self.names.setup: self._setup, self.names.load: self._load, self.names.step: self._train_step,
+                    **{name: self._save for name in self.names.saves}}
+        missing = [name for name in handlers if name not in self._wrapped and vars(self.training).get(name) is None]
+        if missing:
+            warnings.warn(f"megatron-rrfp: {self.training.__name__} has no {', '.join(missing)}: those are not "
+                          "recorded (a Megatron-LM release this version of megatron-rrfp does not know?)",
+                          HookWarning, stacklevel=2)
+        for name, handler in handlers.items():
+            original = vars(self.training).get(name)
+            if name in self._wrapped or original is None:
+                continue
+            wrapper = _wrapper(original, handler)
+            setattr(self.training, name, wrapper)
+            self._wrapped[name] = (original, wrapper)
+
+    def deactivate(self) -> None:
+        self.options = None
+        for name, (original, wrapper) in self._wrapped.items():
+            if vars(self.training).get(name) is wrapper:
+                setattr(self.training, name, original)
+        self._wrapped.clear()
+
+    def detach(self) -> None:
+        self.deactivate()
+        if self._entry is not None:
+            original, wrapper = self._entry
+            hookpoints.rebind_loaded(self.names.entry, wrapper, original)
+            self._entry = None
+        if self.run is not None:
+            self.run.recorder.close()
+            self.run = None
+
+    # -- the wrappers' bodies ----------------------------------------------------------
+
+    def _pretrain(self, original, args, kwargs):
+        try:
+            result = original(*args, **kwargs)
+        except SystemExit as exc:  # Megatron's own exits: code 0 is a clean end
+            self._end_run(None if exc.code in (None, 0) else exc)
+            raise
+        except BaseException as exc:
+            self._end_run(exc)
+            raise
+        self._end_run(None)
+        return result
+
+    def _setup(self, original, args, kwargs):
+        if self.options is not None and self.options.active:
+            if self.run is not None:  # a second setup in one process without pretrain around it
+                self.run.recorder.close()
+            self.run = _Run(options=self.options, margs=self.get_args(), timers=self.get_timers(),
+                            training=self.training)
+        return original(*args, **kwargs)
+
+    def _load(self, original, args, kwargs):
+        run = self.run
+        if run is None:
+            return original(*args, **kwargs)
+        with run.recorder.checkpoint_load():
+            result = original(*args, **kwargs)
+        iteration = hookpoints.loaded_iteration(result)
+        if iteration > 0 and not run.resumed:
+            run.resumed = True
+            run.recorder.restart(iteration)
+        return result
+
+    def _save(self, original, args, kwargs):
+        run = self.run
+        if run is None or run.saving:
+            return original(*args, **kwargs)
+        run.saving = True
+        try:
+            with run.recorder.checkpoint_save(hookpoints.saved_iteration(args, kwargs)):
+                return original(*args, **kwargs)
+        finally:
+            run.saving = False
+
+    def _train_step(self, original, args, kwargs):
+        run = self.run
+        if run is None:
+            return original(*args, **kwargs)
+        margs = self.get_args()
+        iteration = hookpoints.train_step_iteration(margs)
+        before = self.last_report()
+        run.recorder.iteration_start(iteration)
+        result = original(*args, **kwargs)
+        report = self.last_report()
+        run.step_done(iteration, None if report is before else report, margs)  # same object: not this step's
+        return result
+
+    def _end_run(self, error: Optional[BaseException]) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            run.end(error)
+
+
+def _wrapper(original: Callable, handler: Callable) -> Callable:
+    """A function that looks like ``original`` and calls ``handler(original, args, kwargs)``."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return handler(original, args, kwargs)
+
+    wrapper._rrfp_hook = True
+    return wrapper
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _last_iteration_report():
+    from ..mcore.schedule import last_iteration_report
+
+    return last_iteration_report()

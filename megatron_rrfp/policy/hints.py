@@ -1,0 +1,271 @@
+"""Hint orders: the schedule, consumed as a *ranking*, not as a plan.
+
+Two families, one interface (``Hint.pick`` ranks the allowed ready tasks; ``Hint.order``
+is the full per-stage order, used by strict mode and for display):
+
+* rule hints — ``bf`` (the paper's default) and ``bfw`` — rank by direction;
+* ordered hints — ``1f1b`` (Megatron's per-stage order, interleaved included), ``gpipe``,
+  or an explicit per-stage list (JSON) — rank by position in the list.
+
+``make_hint("bf" | "bfw" | "1f1b" | "gpipe" | "path/to/hint.json")`` builds one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Optional, Protocol
+
+from .actions import Kind, Task, parse_order
+from .topology import Topology
+
+
+class StageState(Protocol):
+    """What a hint may read of its stage's arbiter when it ranks the ready tasks."""
+
+    prefer: Kind
+    """The direction BF prefers next (after an F: B; after a B: F)."""
+
+    def remaining_order(self) -> Iterator[Task]:
+        """The stage's order, minus what already ran (ordered hints)."""
+
+BUILTIN_HINTS = ("bf", "bfw", "1f1b", "gpipe")
+
+
+class HintError(ValueError):
+    """A hint that cannot drive this pipeline (unknown name, malformed or incomplete list)."""
+
+
+def _forward_key(task: Task) -> tuple[int, int]:
+    return (task.chunk, task.microbatch)  # forward: lower chunk first, then lower microbatch
+
+
+def _backward_key(task: Task) -> tuple[int, int]:
+    return (-task.chunk, task.microbatch)  # backward: higher chunk first, then lower microbatch
+
+
+class Hint:
+    """A ranking of one stage's tasks. ``pick`` chooses among the allowed ready tasks."""
+
+    name: str = "hint"
+    split_backward: bool = False
+
+    def orders(self, topology: Topology, num_microbatches: int) -> Optional[list[list[Task]]]:
+        """One order per stage, or None for a rule hint (its fixed-order form is
+        materialised by ``plan.Plan`` with a dry run of the rule itself)."""
+        return None
+
+    def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<hint {self.name}>"
+
+    def _identity(self) -> tuple:
+        return (type(self).__name__, self.name)
+
+    def __eq__(self, other: object) -> bool:  # equal hints make equal (cacheable) configs
+        return isinstance(other, Hint) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+
+class DirectionalHint(Hint):
+    """BF: rounds of "one ready B, then one ready F"; a direction with nothing ready is
+    skipped, never waited for. BFW adds W as filler: a W runs only when no B or F is ready.
+
+    The arbiter remembers the direction to prefer next (``arbiter.prefer``): after an F it
+    prefers B, after a B it prefers F — which makes the last stage behave exactly as 1F1B.
+    """
+
+    def __init__(self, *, with_weight_tasks: bool) -> None:
+        self.split_backward = with_weight_tasks
+        self.name = "bfw" if with_weight_tasks else "bf"
+
+    def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
+        best = {
+            Kind.F: min((t for t in allowed if t.kind is Kind.F), key=_forward_key, default=None),
+            Kind.B: min((t for t in allowed if t.kind is Kind.B), key=_backward_key, default=None),
+        }
+        other = Kind.F if arbiter.prefer is Kind.B else Kind.B
+        for direction in (arbiter.prefer, other):
+            if best[direction] is not None:
+                return best[direction]
+        return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
+
+
+class OrderedHint(Hint):
+    """A per-stage list; readiness-first dispatches the first *ready* entry not yet run."""
+
+    def __init__(self, name: str, orders: Optional[Sequence[Sequence[Task]]] = None) -> None:
+        self.name = name
+        self._orders = [list(o) for o in orders] if orders is not None else None
+        self.split_backward = bool(self._orders) and any(
+            t.kind is Kind.W for order in self._orders for t in order
+        )
+
+    def _identity(self) -> tuple:
+        orders = None if self._orders is None else tuple(tuple(o) for o in self._orders)
+        return (type(self).__name__, self.name, orders)
+
+    def orders(self, topology: Topology, num_microbatches: int) -> list[list[Task]]:
+        if self._orders is not None:
+            if len(self._orders) != topology.num_stages:
+                raise HintError(
+                    f"hint {self.name!r} lists {len(self._orders)} stages but the pipeline has "
+                    f"{topology.num_stages}; give one order per pipeline stage"
+                )
+            return [list(order) for order in self._orders]
+        if self.name == "1f1b":
+            return [megatron_1f1b_order(s, topology, num_microbatches) for s in range(topology.num_stages)]
+        if self.name == "gpipe":
+            return [gpipe_order(topology, num_microbatches)] * topology.num_stages
+        raise HintError(f"hint {self.name!r} has no order")
+
+    def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
+        for task in arbiter.remaining_order():
+            if task in allowed:
+                return task
+        return None
+
+
+def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
+                        group_size: Optional[int] = None) -> list[Task]:
+    """Megatron-core's per-stage order: warm-up forwards, steady 1F1B, cool-down backwards.
+
+    Interleaved (C > 1): Megatron's schedule table walks microbatch groups of
+    ``group_size`` (``microbatch_group_size_per_vp_stage``, default PP) chunk by chunk;
+    backwards visit chunks in reverse. Warm-up = 2(PP - s - 1) + (C - 1) * group_size.
+    """
+    pp, chunks, m = topology.num_stages, topology.num_chunks, num_microbatches
+    if chunks == 1:
+        warmup = min(pp - stage - 1, m)
+        forwards = [Task(Kind.F, i) for i in range(m)]
+        backwards = [Task(Kind.B, i) for i in range(m)]
+    else:
+        group = group_size or pp
+        if not pp <= group <= m or 0 < m % group < pp:
+            raise HintError(
+                f"interleaved 1f1b hint needs PP <= microbatch group <= M and M % group == 0 or >= PP "
+                f"(Megatron's own rule); got PP={pp}, M={m}, group={group}: use a multiple of {pp} microbatches"
+            )
+        table = [
+            (mb, c)
+            for start in range(0, m, group)
+            for c in range(chunks)
+            for mb in range(start, m if start + group >= m else start + group)
+        ]
+        warmup = min(2 * (pp - stage - 1) + (chunks - 1) * group, len(table))
+        forwards = [Task(Kind.F, mb, c) for mb, c in table]
+        backwards = [Task(Kind.B, mb, chunks - 1 - c) for mb, c in table]
+    order = forwards[:warmup]
+    for k in range(len(forwards) - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def gpipe_order(topology: Topology, num_microbatches: int) -> list[Task]:
+    """All forwards (chunk by chunk), then all backwards in reverse."""
+    forwards = [Task(Kind.F, m, c) for c in range(topology.num_chunks) for m in range(num_microbatches)]
+    backwards = [Task(Kind.B, m, c) for c in reversed(range(topology.num_chunks)) for m in range(num_microbatches)]
+    return forwards + backwards
+
+
+def load_hint_file(path: str) -> OrderedHint:
+    """JSON: ``{"stages": [["0F0", "0F1", "0B0", ...], ...]}`` or a bare list of lists;
+    each entry a task string or one comma-separated string per stage."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HintError(f"cannot read hint file {path!r}: {exc}") from exc
+    stages = data.get("stages") if isinstance(data, dict) else data
+    if not isinstance(stages, list) or not stages:
+        raise HintError(f"hint file {path!r}: expected {{\"stages\": [[task, ...], ...]}} with one list per stage")
+    orders = []
+    for index, entry in enumerate(stages):
+        try:
+            orders.append(parse_order(entry) if isinstance(entry, str) else [Task.parse(str(t)) for t in entry])
+        except ValueError as exc:
+            raise HintError(f"hint file {path!r}, stage {index}: {exc}") from exc
+    return OrderedHint(os.path.basename(path), orders)
+
+
+_PIPELINING_ACTION = re.compile(r"^\s*(\d+)\s*([A-Z_]+?)\s*(\d+)\s*$")
+# torch.distributed.pipelining computation types -> ours. "I" (backward input) is our B of
+# a split backward; "B" (full backward) our unsplit B; communication actions are dropped
+# (the transport is message-driven).
+_PIPELINING_KINDS = {"F": Kind.F, "I": Kind.B, "W": Kind.W, "B": Kind.B}
+_PIPELINING_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+def load_pipelining_csv(path: str, num_stages: Optional[int] = None) -> OrderedHint:
+    """torch.distributed.pipelining's CSV: one row per rank, cells ``{stage}{F|I|W|B}{mb}``
+    (e.g. ``0F0,0I0,0W0``), stage = global (virtual) stage. Megatron places virtual stage v
+    on rank v % PP as chunk v // PP ("loop" placement); a schedule written for another
+    placement (e.g. ZBV's V shape) is rejected with the offending cell."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            rows = [[c.strip() for c in line.strip().split(",") if c.strip()]
+                    for line in handle if line.strip()]
+    except OSError as exc:
+        raise HintError(f"cannot read hint file {path!r}: {exc}") from exc
+    pp = num_stages or len(rows)
+    if len(rows) != pp:
+        raise HintError(f"hint file {path!r} has {len(rows)} rows but the pipeline has {pp} stages; one row per rank")
+    orders, kinds_seen = [], set()
+    for rank, row in enumerate(rows):
+        order = []
+        for cell in row:
+            if cell.upper() in ("NONE", "") or any(comm in cell for comm in _PIPELINING_COMM):
+                continue
+            match = _PIPELINING_ACTION.match(cell)
+            if match is None or match.group(2) not in _PIPELINING_KINDS:
+                raise HintError(f"hint file {path!r}, rank {rank}: unknown action {cell!r} "
+                                "(expected e.g. 0F0, 1I2, 0W1 or 0B3)")
+            stage, kind, mb = int(match.group(1)), match.group(2), int(match.group(3))
+            if stage % pp != rank:
+                raise HintError(f"hint file {path!r}, rank {rank}: action {cell!r} belongs to stage {stage}, which "
+                                f"Megatron places on rank {stage % pp}; only loop placement is supported")
+            kinds_seen.add(kind)
+            order.append(Task(_PIPELINING_KINDS[kind], mb, stage // pp))
+        orders.append(order)
+    if "B" in kinds_seen and kinds_seen & {"I", "W"}:
+        raise HintError(f"hint file {path!r} mixes full backwards (B) with split ones (I/W); use one form")
+    return OrderedHint(os.path.basename(path), orders)
+
+
+def make_hint(spec: str | Hint) -> Hint:
+    if isinstance(spec, Hint):
+        return spec
+    if spec == "bf":
+        return DirectionalHint(with_weight_tasks=False)
+    if spec == "bfw":
+        return DirectionalHint(with_weight_tasks=True)
+    if spec in ("1f1b", "gpipe"):
+        return OrderedHint(spec)
+    if isinstance(spec, str) and os.path.isfile(spec):
+        return load_pipelining_csv(spec) if spec.lower().endswith(".csv") else load_hint_file(spec)
+    raise HintError(
+        f"unknown hint {spec!r} (option hint= / --rrfp-hint): use one of "
+        f"{', '.join(BUILTIN_HINTS)}, or the path of a JSON hint file or a torch.distributed.pipelining CSV"
+    )
+
+
+def validate_order(order: Iterable[Task], expected: Iterable[Task], *, stage: int, hint_name: str) -> None:
+    """Each expected task exactly once, nothing else — checked before the first dispatch."""
+    order = list(order)
+    expected_set = set(expected)
+    seen: set[Task] = set()
+    for task in order:
+        if task not in expected_set:
+            raise HintError(f"hint {hint_name!r}, stage {stage}: task {task} does not exist in this pipeline")
+        if task in seen:
+            raise HintError(f"hint {hint_name!r}, stage {stage}: task {task} is listed twice")
+        seen.add(task)
+    missing = sorted(expected_set - seen, key=lambda t: (t.kind.value, t.chunk, t.microbatch))
+    if missing:
+        shown = ",".join(str(t) for t in missing[:8]) + ("..." if len(missing) > 8 else "")
+        raise HintError(f"hint {hint_name!r}, stage {stage}: {len(missing)} task(s) missing: {shown}")

@@ -1,0 +1,77 @@
+"""A checked plan: one ``ArbiterConfig`` resolved for one pipeline layout.
+
+``Plan.build(config, topology, num_microbatches)`` turns the parsed hint into every
+stage's task order where one is needed (ordered hints; strict mode, where a rule hint's
+fixed order is what the rule does under constant durations — materialised by a dry run
+of the rule itself), validates each order (every task exactly once, nothing else) and
+proves a strict plan can run to completion (a dry run; an order whose B precedes its own
+F fails here, before any process waits on it). Plans are cached per layout, so the
+executor pays this once per (layout, microbatch count), not per iteration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Optional
+
+from .actions import Task
+from .arbiter import Arbiter, ArbiterConfig
+from .dryrun import DeadlockError, constant_durations, run
+from .hints import HintError
+from .topology import Topology
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    config: ArbiterConfig
+    topology: Topology
+    num_microbatches: int
+    orders: Optional[tuple[tuple[Task, ...], ...]]
+    """Per-stage order for ordered hints and strict mode; None for readiness-first rule hints."""
+
+    @staticmethod
+    def build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Plan:
+        return _build(config, topology, num_microbatches)
+
+    @property
+    def split_backward(self) -> bool:
+        return self.config.parsed_hint.split_backward
+
+    def arbiter(self, stage: int, *, forward_only: bool = False) -> Arbiter:
+        order = None if self.orders is None else list(self.orders[stage])
+        return Arbiter(self.config, stage=stage, topology=self.topology, num_microbatches=self.num_microbatches,
+                       forward_only=forward_only, order=order)
+
+    def arbiters(self, *, forward_only: bool = False) -> list[Arbiter]:
+        return [self.arbiter(s, forward_only=forward_only) for s in range(self.topology.num_stages)]
+
+
+@lru_cache(maxsize=64)
+def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Plan:
+    hint = config.parsed_hint
+    orders = hint.orders(topology, num_microbatches)
+    if orders is None and config.strict:
+        orders = _materialize(config, topology, num_microbatches)
+    plan = Plan(config, topology, num_microbatches,
+                None if orders is None else tuple(tuple(order) for order in orders))
+    arbiters = plan.arbiters()  # validates every stage's order
+    if config.strict:
+        try:
+            run(arbiters, topology, duration=constant_durations(plan.split_backward), name=hint.name)
+        except DeadlockError as exc:
+            raise HintError(f"strict hint {hint.name!r} cannot run to completion on PP={topology.num_stages}, "
+                            f"chunks={topology.num_chunks}, M={num_microbatches}: a task waits on one listed "
+                            f"after it.\n{exc}") from None
+    return plan
+
+
+def _materialize(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> list[list[Task]]:
+    """The order a rule hint produces readiness-first with F = 1, B = 2 and no latency."""
+    rule = replace(config, strict=False)
+    arbiters = [Arbiter(rule, stage=s, topology=topology, num_microbatches=num_microbatches)
+                for s in range(topology.num_stages)]
+    split = config.parsed_hint.split_backward
+    return run(arbiters, topology, duration=constant_durations(split), name=f"{rule.hint.name}-materialize").orders
+
+
+__all__ = ["Plan"]

@@ -1,0 +1,74 @@
+"""`megatron-rrfp simulate`: compare pipeline policies on the same sampled variability."""
+from __future__ import annotations
+
+import argparse
+
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from .study import DEFAULT_POLICIES
+
+
+def add_workload_arguments(group) -> None:
+    """Workload knobs shared by `simulate` and `bench` (same names as Variability's fields)."""
+    group.add_argument("--straggler-stage", type=int, default=None, help="stage slowed by --straggler-factor")
+    group.add_argument("--straggler-factor", type=float, default=1.0)
+    group.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread (log-normal)")
+    group.add_argument("--images-per-sample", type=float, default=0.0, help="mean images per microbatch (Poisson)")
+    group.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 encoder time per image, units of f0")
+    group.add_argument("--image-token-share", type=float, default=0.0,
+                       help="average share of decoder tokens that are image tokens (work scales with images)")
+
+
+def workload_from_args(args: argparse.Namespace) -> dict:
+    return dict(straggler_stage=args.straggler_stage, straggler_factor=args.straggler_factor,
+                seq_len_sigma=args.seq_len_sigma, images_per_sample=args.images_per_sample,
+                encoder_time_per_image=args.encoder_time, image_token_share=args.image_token_share)
+
+
+def add_simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="discrete-event simulation of pipeline policies",
+                       description="Compare readiness-first policies with strict 1F1B on the same "
+                                   "sampled run-time variability. Times are in units of f0.")
+    p.add_argument("--pp", type=int, default=8, help="pipeline stages (default 8)")
+    p.add_argument("--microbatches", "-m", type=int, default=32, help="microbatches per iteration (default 32)")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved if > 1)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma list of bf, bfw, 1f1b, gpipe or hint files; '-strict' = fixed order")
+    p.add_argument("--buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
+                   help=f"microbatches in flight per stage (default {DEFAULT_BUFFER_LIMIT})")
+    p.add_argument("--seeds", type=int, default=5, help="seeds to simulate (medians are reported)")
+    p.add_argument("--first-seed", type=int, default=0)
+    v = p.add_argument_group("variability (the paper's reference: --sigma-compute 0.3 --c50 0.1 --sigma-msg 1.5)")
+    v.add_argument("--reference", action="store_true", help="use the paper's reference variability (J3)")
+    v.add_argument("--sigma-compute", type=float, default=0.0, help="log-normal sigma of F/B durations")
+    v.add_argument("--backward-ratio", type=float, default=2.0, help="B time / F time (default 2)")
+    v.add_argument("--c50", type=float, default=0.0, help="median message latency, units of f0")
+    v.add_argument("--sigma-msg", type=float, default=0.0, help="log-normal sigma of message latency")
+    add_workload_arguments(v)
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--timeline", metavar="PNG", help="draw every policy's timeline for the first seed")
+    p.add_argument("--trace", metavar="JSON", help="Chrome/Perfetto trace of the first seed")
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from .study import StudyConfig, format_report, run_study, save_json, write_timeline
+    from .variability import REFERENCE_J3, Variability
+
+    knobs = dict(sigma_compute=args.sigma_compute, c50=args.c50, sigma_msg=args.sigma_msg)
+    if args.reference:
+        knobs.update(REFERENCE_J3)
+    variability = Variability(backward_ratio=args.backward_ratio, **workload_from_args(args), **knobs)
+    config = StudyConfig(pipeline_size=args.pp, num_microbatches=args.microbatches, num_chunks=args.chunks,
+                         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+                         buffer_limit=args.buffer_limit, seeds=args.seeds, first_seed=args.first_seed,
+                         variability=variability)
+    report = run_study(config)
+    print(format_report(report))
+    if args.json:
+        save_json(report, args.json)
+        print(f"figures: {args.json}")
+    if args.timeline or args.trace:
+        png = args.timeline or args.trace.rsplit(".", 1)[0] + ".png"
+        write_timeline(config, png, trace_path=args.trace)
+        print(f"timeline: {png}" + (f"  trace: {args.trace}" if args.trace else ""))
+    return 0

@@ -1,0 +1,115 @@
+"""The run-time variability model shared by the simulator and the benchmark's emulation.
+
+Durations are drawn once per seed (``sample_realization``) and shared by every policy, so
+policies are compared on exactly the same variability. Units: everything is in units of
+``f0``, the nominal forward time of one stage (or seconds, when ``f0`` is in seconds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..policy.actions import Kind, Task
+from ..policy.topology import Topology
+
+
+@dataclass(kw_only=True, slots=True)
+class Variability:
+    """Duration model. F = f0*LogNormal(0, sigma_compute), B = backward_ratio * f0 * LogNormal(0, sigma_compute)
+    per (stage, chunk, microbatch); split backward (BFW): B and W are each half of that."""
+
+    f0: float = 1.0
+    """Nominal forward time of a whole stage (all its chunks), in seconds or any unit."""
+    backward_ratio: float = 2.0
+    """Backward time / forward time."""
+    sigma_compute: float = 0.0
+    """Log-normal sigma of compute jitter (0.3 = the paper's reference J3 level)."""
+    straggler_stage: Optional[int] = None
+    """Stage whose every task is slowed by ``straggler_factor``."""
+    straggler_factor: float = 1.0
+    seq_len_sigma: float = 0.0
+    """Per-microbatch length factor LogNormal(0, seq_len_sigma); durations scale with tokens."""
+    images_per_sample: float = 0.0
+    """Mean of Poisson images per microbatch (multimodal); each adds encoder time on stage 0."""
+    encoder_time_per_image: float = 0.0
+    """Extra stage-0 forward time per image, in units of f0 (backward: backward_ratio x)."""
+    image_token_share: float = 0.0
+    """Average share of decoder tokens that are image tokens (LLaVA-style: each image adds
+    tokens to the sequence): every stage's work for microbatch j scales with
+    (1 - share) + share * n_j / mean(n), n_j its images."""
+    c50: float = 0.0
+    """Median message latency, in units of f0 (0.1 = the paper's reference)."""
+    sigma_msg: float = 0.0
+    """Log-normal sigma of message latency (1.5 = the paper's reference)."""
+
+    def __post_init__(self) -> None:
+        for name in ("f0", "backward_ratio", "straggler_factor"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("sigma_compute", "seq_len_sigma", "images_per_sample", "encoder_time_per_image",
+                     "c50", "sigma_msg"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.image_token_share < 1:
+            raise ValueError(f"image_token_share must be in [0, 1), got {self.image_token_share}")
+
+
+VARIABILITY_LEVELS = {
+    "j0": dict(sigma_compute=0.0, c50=0.0, sigma_msg=0.0),
+    "j1": dict(sigma_compute=0.1, c50=0.02, sigma_msg=0.5),
+    "j2": dict(sigma_compute=0.2, c50=0.05, sigma_msg=1.0),
+    "j3": dict(sigma_compute=0.3, c50=0.1, sigma_msg=1.5),
+}
+"""Run-time variability levels: compute jitter sigma_c, median message latency c50 (units
+of f0) and its log-normal sigma_m. j3 is the paper's reference scenario."""
+REFERENCE_J3 = VARIABILITY_LEVELS["j3"]
+
+
+@dataclass(slots=True)
+class Realization:
+    """One seed's draw: durations [stage][chunk][mb] and latencies of each sent message."""
+
+    forward: list
+    backward_total: list
+    activation_latency: list
+    gradient_latency: list
+
+    def duration(self, stage: int, task: Task, split_backward: bool) -> float:
+        if task.kind is Kind.F:
+            return self.forward[stage][task.chunk][task.microbatch]
+        full = self.backward_total[stage][task.chunk][task.microbatch]
+        return full / 2 if split_backward else full
+
+
+def sample_realization(variability: Variability, topology: Topology, num_microbatches: int,
+                       seed: int) -> Realization:
+    v, pp, chunks, m = variability, topology.num_stages, topology.num_chunks, num_microbatches
+    rng = np.random.default_rng(seed)
+    shape = (pp, chunks, m)
+    per_chunk = v.f0 / chunks
+    forward = per_chunk * rng.lognormal(0.0, v.sigma_compute, shape) if v.sigma_compute else np.full(shape, per_chunk)
+    backward = v.backward_ratio * per_chunk * (
+        rng.lognormal(0.0, v.sigma_compute, shape) if v.sigma_compute else np.ones(shape))
+    if v.seq_len_sigma:
+        length = rng.lognormal(0.0, v.seq_len_sigma, m)
+        length /= length.mean()  # keep the mean work per microbatch at f0
+        forward *= length
+        backward *= length
+    if v.straggler_stage is not None:
+        if not 0 <= v.straggler_stage < pp:
+            raise ValueError(f"straggler_stage {v.straggler_stage} outside 0..{pp - 1}")
+        forward[v.straggler_stage] *= v.straggler_factor
+        backward[v.straggler_stage] *= v.straggler_factor
+    if v.images_per_sample:
+        images = rng.poisson(v.images_per_sample, m)
+        if v.image_token_share:
+            tokens = (1 - v.image_token_share) + v.image_token_share * images / v.images_per_sample
+            forward *= tokens
+            backward *= tokens
+        encoder = v.encoder_time_per_image * v.f0 * images
+        forward[0, 0] += encoder
+        backward[0, 0] += v.backward_ratio * encoder
+    latency = (lambda: v.c50 * v.f0 * rng.lognormal(0.0, v.sigma_msg, shape)) if v.c50 else (lambda: np.zeros(shape))
+    return Realization(forward.tolist(), backward.tolist(), latency().tolist(), latency().tolist())

@@ -1,0 +1,153 @@
+"""The pieces ``megatron-rrfp train`` assembles, each from megatron-core's own parts.
+
+  build_model       GPTModel (local spec) or the multimodal recipe's stage, wrapped in
+                    megatron-core's DistributedDataParallel like Megatron-LM's get_model
+  build_optimizer   get_megatron_optimizer(OptimizerConfig) + OptimizerParamScheduler
+                    (linear warmup, cosine decay to --min-lr, steps = iterations)
+  build_schedule    the forward-backward function: megatron-core's own (1f1b) or
+                    forward_backward_rrfp, with the same keyword arguments
+  build_data        the micro-batch source (see train/data.py)
+  build_recorder    the goodput hooks (--rrfp-goodput-ledger; goodput/recorder.py)
+
+The config hooks are set as Megatron-LM's training loop sets them: ``no_sync_func`` (DDP
+no_sync), ``finalize_model_grads_func`` (DDP finish + embedding/layernorm all-reduces)
+and ``grad_scale_func`` (the optimizer's loss scale).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from . import models
+from .recipes import multimodal
+
+_SPEC_FIELDS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "image_size", "patch_size",
+                "tokens_per_image", "max_images")  # TrainConfig fields named as MultimodalSpec's; None = recipe default
+
+
+def multimodal_spec(cfg):
+    overrides = {"vocab_size": cfg.vocab_size, "seq_length": cfg.seq_length}
+    overrides.update({name: getattr(cfg, name) for name in _SPEC_FIELDS if getattr(cfg, name) is not None})
+    if cfg.vision_hidden_size is not None:
+        overrides["vision_ffn_hidden_size"] = 4 * cfg.vision_hidden_size
+    return multimodal.MultimodalSpec(**overrides)
+
+
+def transformer_config(cfg):
+    """The decoder's TransformerConfig: the repo's tiny CPU-safe defaults (fp32, no
+    dropout, no fused kernels, CPU initialisation) with the run's sizes."""
+    sizes = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                 ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size)
+    if cfg.model == "multimodal":
+        return multimodal.multimodal_config(**sizes)
+    return models.tiny_gpt_config(**sizes)
+
+
+def build_model(cfg, device: torch.device):
+    """This rank's stage on ``device``, wrapped in megatron-core DDP; its config hooked."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config = transformer_config(cfg)
+    if cfg.model == "multimodal":
+        recipe = multimodal
+        stage = recipe.build_multimodal_stage(config, multimodal_spec(cfg), seed=cfg.seed)
+    else:
+        stage = models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
+    stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+def forward_step_func(cfg) -> Callable:
+    return multimodal.multimodal_forward_step if cfg.model == "multimodal" else models.gpt_forward_step
+
+
+def build_optimizer(cfg, model):
+    """(optimizer, scheduler): megatron-core's Adam (torch's when TE/apex are absent)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if cfg.cpu:
+        from ..mcore.cpu import enable_cpu_optimizer
+
+        enable_cpu_optimizer()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False),
+        [model])
+    model.config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
+        lr_decay_steps=cfg.train_iters, lr_decay_style="cosine", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def build_schedule(cfg) -> Callable:
+    """forward_backward_func(**megatron's schedule keywords) -> per-microbatch loss dicts."""
+    if cfg.pipeline_schedule == "rrfp":
+        from ..mcore.schedule import forward_backward_rrfp
+        from ..megatron_lm.flags import rrfp_config_from_args
+
+        return functools.partial(forward_backward_rrfp, rrfp_config=rrfp_config_from_args(cfg))
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def build_data(cfg, *, dp_rank: int, dp_size: int, device: torch.device):
+    from . import data
+
+    common = dict(micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, device=device)
+    if cfg.model == "multimodal":
+        return multimodal.MultimodalStream(multimodal_spec(cfg), seed=cfg.seed, images_per_sample=cfg.images_per_sample,
+                                     **common)
+    if cfg.data_path:
+        return data.TokenFile(cfg.data_path, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, **common)
+    return data.SyntheticTokens(vocab_size=cfg.vocab_size, seed=cfg.seed, seq_length=cfg.seq_length, **common)
+
+
+def build_recorder(cfg, dp: int, *, since_wall: float):
+    """The goodput hooks (megatron_rrfp.goodput.recorder): no-ops on every rank without
+    --rrfp-goodput-ledger; with it rank 0 writes, and the time since ``since_wall`` (the
+    process start) counts as startup.
+
+    Another live job writing the same ledger fails every rank here with a ValueError, before
+    training (collective: the ranks agree on it, so none waits for a peer that left). Any other ledger problem only
+    warns (LedgerWarning); the recorder then still joins the per-iteration gathers."""
+    import torch.distributed as dist
+
+    from ..goodput.recorder import GoodputRecorder
+    from ..goodput.schema import LedgerBusyError, LedgerWarning
+
+    path, rank, world = cfg.rrfp_goodput_ledger, dist.get_rank(), dist.get_world_size()
+    busy = None
+    try:
+        recorder = GoodputRecorder(path, rank=rank, world=world, job=f"megatron-rrfp train {cfg.model}",
+                                   since_wall=since_wall)
+    except LedgerBusyError as exc:
+        recorder, busy = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a ledger problem must not stop training
+        warnings.warn(f"goodput ledger {path}: not recorded ({type(exc).__name__}: {exc}); training continues",
+                      LedgerWarning, stacklevel=2)
+        recorder = GoodputRecorder(path, rank=rank, world=world, writer_rank=-1)  # gathers, writes nothing
+    if path and world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, busy)
+        busy = next((b for b in everyone if b), None)
+    if busy:
+        raise ValueError(busy if rank == 0 else f"rank 0 cannot write --rrfp-goodput-ledger {path} (see rank 0)")
+    recorder.job_start(pp=cfg.pipeline_model_parallel_size, tp=cfg.tensor_model_parallel_size, dp=dp,
+                       schedule=cfg.pipeline_schedule, model=cfg.model, train_iters=cfg.train_iters,
+                       tokens_per_iteration=cfg.global_batch_size * cfg.seq_length)
+    return recorder
+
+
+# --------------------------------------------------------------------------- CPU optimizer
+#

@@ -1,0 +1,199 @@
+"""``TrainConfig``: every flag of ``megatron-rrfp train``, one field each.
+
+The command line is generated from the fields (flag = ``--`` + name with dashes, help =
+the field's ``help``), so the dataclass and the parser cannot drift apart; the
+``--pipeline-schedule`` / ``--rrfp-*`` fields come from ``options.add_rrfp_arguments``,
+shared with the Megatron-LM integration. ``to_argv`` turns a config back into flags
+(``--nproc`` uses it to start its ranks). ``validate`` raises ValueError quoting the
+values, before any process starts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from ..megatron_lm.flags import add_rrfp_arguments, validate_rrfp_arguments
+
+
+def _flag(default, help: str, group: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
+
+
+def _shared(default):  # defined by options.add_rrfp_arguments
+    return field(default=default, metadata={"shared": True})
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # model
+    model: str = _flag("gpt", "gpt: megatron-core GPTModel (local spec); multimodal: the ViT + GPT recipe "
+                       "(megatron_rrfp.recipes.multimodal)", "model", choices=("gpt", "multimodal"))
+    num_layers: int = _flag(4, "decoder layers, split evenly over pipeline stages", "model")
+    hidden_size: int = _flag(64, "decoder width", "model")
+    num_attention_heads: int = _flag(4, "attention heads (divisible by the tensor-parallel size)", "model")
+    ffn_hidden_size: Optional[int] = _flag(None, "MLP width (default 4 x hidden size)", "model", type=int)
+    seq_length: int = _flag(64, "tokens per sample (images included for multimodal)", "model")
+    vocab_size: int = _flag(256, "vocabulary size (divisible by the tensor-parallel size)", "model")
+    vision_num_layers: Optional[int] = _flag(None, "multimodal: ViT layers (recipe default)", "model", type=int)
+    vision_hidden_size: Optional[int] = _flag(None, "multimodal: ViT width; its MLP is 4x (recipe default)", "model",
+                                              type=int)
+    vision_num_attention_heads: Optional[int] = _flag(None, "multimodal: ViT heads (recipe default)", "model", type=int)
+    image_size: Optional[int] = _flag(None, "multimodal: square image side in pixels (recipe default)", "model",
+                                      type=int)
+    patch_size: Optional[int] = _flag(None, "multimodal: ViT patch side in pixels (recipe default)", "model", type=int)
+    tokens_per_image: Optional[int] = _flag(None, "multimodal: decoder positions per image; divides the patch count "
+                                            "(recipe default)", "model", type=int)
+    max_images: Optional[int] = _flag(None, "multimodal: cap on images per sample (recipe default)", "model", type=int)
+    images_per_sample: float = _flag(1.0, "multimodal: mean images per sample (Poisson)", "model")
+    # parallelism and batch
+    tensor_model_parallel_size: int = _flag(1, "TP degree", "parallelism")
+    pipeline_model_parallel_size: int = _flag(1, "PP degree; data parallelism takes the remaining ranks", "parallelism")
+    micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
+    global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
+                                   "parallelism")
+    # optimisation
+    train_iters: int = _flag(20, "iterations to train (the cosine decay spans them)", "optimizer")
+    lr: float = _flag(1e-3, "peak learning rate (Adam)", "optimizer")
+    min_lr: float = _flag(1e-4, "learning rate at the end of the cosine decay", "optimizer")
+    lr_warmup_iters: int = _flag(2, "linear warmup from 0, in iterations", "optimizer")
+    weight_decay: float = _flag(0.01, "decoupled weight decay (constant)", "optimizer")
+    clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: off)", "optimizer")
+    seed: int = _flag(1234, "seed of weights, synthetic data and RNGs", "optimizer")
+    # data, checkpoints, logging
+    data_path: Optional[str] = _flag(None, "flat token file (.npy, or raw uint16); default: synthetic data "
+                                     "(python -m megatron_rrfp.train.data writes one)", "data and checkpoints",
+                                     type=str)
+    save: Optional[str] = _flag(None, "checkpoint directory (also saved after the last iteration)",
+                                "data and checkpoints", type=str)
+    save_interval: Optional[int] = _flag(None, "save every N iterations", "data and checkpoints", type=int)
+    load: Optional[str] = _flag(None, "resume from this checkpoint directory (if it holds one)", "data and checkpoints",
+                                type=str)
+    load_iteration: Optional[int] = _flag(None, "resume from this saved iteration instead of the latest",
+                                          "data and checkpoints", type=int)
+    log_interval: int = _flag(10, "print iteration, loss, iteration time and tokens/s every N iterations "
+                              "(on the last pipeline stage)", "data and checkpoints")
+    # launching
+    cpu: bool = _flag(False, "train on CPU over gloo (megatron-core bent to CPU by megatron_rrfp.mcore.cpu)",
+                      "launching", action="store_true")
+    nproc: Optional[int] = _flag(None, "start N local ranks (instead of torchrun/srun)", "launching", type=int)
+    distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives", "launching")
+    # schedule: options.add_rrfp_arguments
+    pipeline_schedule: str = _shared("1f1b")
+    rrfp_hint: str = _shared("bf")
+    rrfp_buffer_limit: int = _shared(32)
+    rrfp_strict: bool = _shared(False)
+    rrfp_timeout: float = _shared(600.0)
+    rrfp_trace_dir: Optional[str] = _shared(None)
+    rrfp_goodput_ledger: Optional[str] = _shared(None)
+
+
+TRAIN_HELP = {
+    "rrfp_goodput_ledger": (
+        "record goodput in this SQLite file: job start/end, every iteration (tokens, each rank's RRFP time "
+        "breakdown gathered from all ranks, data wait), checkpoint saves and loads, restarts, and the error "
+        "that stopped a run. Rank 0 writes it off the training thread; a ledger that cannot be written gives a "
+        "LedgerWarning and training goes on; another live job writing the same file is an error at start. "
+        "Pass the same path when resuming with --load: one report covers the whole job "
+        "('megatron-rrfp goodput PATH'). Like every --rrfp-* flag, needs --pipeline-schedule rrfp", "PATH"),
+}
+"""--dest: (help, metavar) replacing options.add_rrfp_arguments' generic text in this driver's --help."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        meta = dict(f.metadata)
+        if meta.pop("shared", False):
+            continue
+        name = meta.pop("group")
+        if name not in groups:
+            groups[name] = parser.add_argument_group(name)
+        if meta.get("action") != "store_true":
+            meta.setdefault("type", type(f.default))
+            meta["help"] += f" (default {f.default})" if f.default is not None else ""
+        groups[name].add_argument("--" + f.name.replace("_", "-"), default=f.default, **meta)
+    add_rrfp_arguments(parser)
+    for action in parser._actions:  # the shared flags, as this driver uses them
+        if action.dest in TRAIN_HELP:
+            action.help, action.metavar = TRAIN_HELP[action.dest]
+    return parser
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    validate(config)
+    return config
+
+
+def to_argv(config: TrainConfig, *, skip: tuple[str, ...] = ("nproc",)) -> list[str]:
+    """The flags that reproduce ``config`` (only those that differ from the defaults)."""
+    argv = []
+    for f in fields(TrainConfig):
+        value = getattr(config, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if isinstance(value, bool) else [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
+    """Raise ValueError naming the flag and the values; ``world_size`` adds the layout checks."""
+    validate_rrfp_arguments(c)
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
+                "train_iters", "log_interval", "save_interval", "nproc", "ffn_hidden_size")
+    for name in positive:
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    _require(c.hidden_size % c.num_attention_heads == 0,
+             f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {c.num_attention_heads}")
+    _require(c.num_attention_heads % tp == 0,
+             f"--num-attention-heads {c.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    _require(c.vocab_size % tp == 0,
+             f"--vocab-size {c.vocab_size} is not divisible by --tensor-model-parallel-size {tp}")
+    _require(c.num_layers % pp == 0,
+             f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _require(c.global_batch_size % c.micro_batch_size == 0,
+             f"--global-batch-size {c.global_batch_size} is not a multiple of --micro-batch-size {c.micro_batch_size}")
+    _require(0 <= c.lr_warmup_iters < c.train_iters,
+             f"--lr-warmup-iters {c.lr_warmup_iters} must be >= 0 and < --train-iters {c.train_iters}")
+    _require(0.0 <= c.min_lr <= c.lr, f"need 0 <= --min-lr ({c.min_lr}) <= --lr ({c.lr})")
+    _require(c.clip_grad >= 0.0 and c.weight_decay >= 0.0,
+             f"--clip-grad ({c.clip_grad}) and --weight-decay ({c.weight_decay}) must be >= 0")
+    _require(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
+    _require(c.load_iteration is None or c.load is not None, "--load-iteration needs --load DIR")
+    _require(c.pipeline_schedule != "rrfp" or pp >= 2,
+             f"--pipeline-schedule rrfp needs --pipeline-model-parallel-size >= 2 (got {pp}); "
+             "with one stage there is nothing to order: use 1f1b")
+    _require(c.rrfp_goodput_ledger is None or not os.path.isdir(c.rrfp_goodput_ledger),
+             f"--rrfp-goodput-ledger {c.rrfp_goodput_ledger!r} is a directory; give the ledger file's path "
+             "(e.g. DIR/goodput.db)")
+    _require(c.model != "multimodal" or c.data_path is None,
+             "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
+    _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.recipes.multimodal") is not None,
+             "--model multimodal needs megatron_rrfp.recipes.multimodal, which this installation lacks")
+    if world_size is not None:
+        check_layout(c, world_size)
+
+
+def check_layout(c: TrainConfig, world_size: int) -> int:
+    """The data-parallel size, or ValueError."""
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}")
+    dp = world_size // (tp * pp)
+    _require(c.global_batch_size % (c.micro_batch_size * dp) == 0,
+             f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size x DP = "
+             f"{c.micro_batch_size} x {dp}")
+    return dp
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,210 @@
+"""RRFP vs megatron-core's own schedule, same model, data and seeds, inside one launch.
+
+``compare_with_megatron(case)`` runs on every rank (via ``dist.launcher.launch``): it builds two
+identical copies of a model stage, trains one with megatron-core's 1F1B schedule and
+the other with ``forward_backward_rrfp`` under injected random delays, and returns the
+largest relative differences of losses and gradients plus the orders RRFP executed.
+Data parallelism uses megatron-core's DistributedDataParallel with its ``no_sync`` and
+``finalize_model_grads`` hooks, as Megatron-LM's training loop does.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from . import mlp
+
+
+@dataclass(kw_only=True, slots=True)
+class Case:
+    model: str = "gpt"
+    """gpt (megatron-core GPTModel, local spec), mlp (column/row-parallel MLP stages) or
+    multimodal (recipes.multimodal: ViT + projector on stage 0, GPT decoder)."""
+    num_microbatches: int = 8
+    iterations: int = 1
+    forward_only: bool = False
+    hint: str = "bf"
+    strict: bool = False
+    buffer_limit: int = 32
+    max_task_delay_s: float = 0.01
+    """Each task sleeps U(0, max) first, drawn per rank: stages drift out of 1F1B's rhythm."""
+    late_rank: Optional[int] = None
+    """This global rank receives every message ``late_delay_s`` late (e.g. one TP rank)."""
+    late_delay_s: float = 0.03
+    delay_seed: int = 0
+    learning_rate: float = 0.05
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    vocab_size: int = 64
+    timeout_s: float = 60.0
+    variable_seq_lengths: bool = False
+    """mlp only: every microbatch has its own sequence length (config.variable_seq_lengths)."""
+    per_token_loss: bool = False
+    """config.calculate_per_token_loss: finalize_model_grads divides by the total token count."""
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = a.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _mean_loss(losses: list, key: str) -> float:
+    """Token-weighted mean of per-microbatch [summed loss, tokens] reports."""
+    return sum(float(x[key][0]) for x in losses) / max(1, sum(float(x[key][1]) for x in losses))
+
+
+def _build(case: Case, data_parallel: int):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_rrfp.train import models
+
+    config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1]) if case.model == "gpt" \
+        else models.tiny_gpt_config()
+    if case.model == "gpt":
+        stage = models.build_gpt_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
+    elif case.model == "multimodal":
+        from megatron_rrfp.train.recipes import multimodal
+
+        spec = multimodal.MultimodalSpec(seq_length=case.seq_length, vocab_size=case.vocab_size)
+        stage = multimodal.build_multimodal_stage(multimodal.multimodal_config(), spec, seed=11)
+    else:
+        stage = mlp.build_mlp_stage(config, seed=11)
+    config = getattr(stage, "config", config)
+    config.variable_seq_lengths = case.variable_seq_lengths
+    config.calculate_per_token_loss = case.per_token_loss
+    if data_parallel > 1:
+        stage = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
+        config.no_sync_func = stage.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+    return stage
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        out[name] = torch.zeros_like(param) if grad is None else grad.detach().clone()
+    return out
+
+
+def _zero_grads(model) -> None:
+    if hasattr(model, "zero_grad_buffer"):
+        model.zero_grad_buffer()
+    for param in model.parameters():
+        param.grad = None
+
+
+def _sgd_step(model, lr: float) -> None:
+    with torch.no_grad():
+        for param, grad in zip(model.parameters(), _grads(model).values()):
+            param -= lr * grad
+
+
+def _data(case: Case, iteration: int):
+    from .. import models
+
+    if case.model == "gpt":
+        return models.synthetic_gpt_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
+                                            seq_length=case.seq_length, vocab_size=case.vocab_size)
+    if case.model == "multimodal":  # images per sample ~ Poisson(1): encoder work varies per micro-batch
+        from megatron_rrfp.train.recipes import multimodal
+
+        spec = multimodal.MultimodalSpec(seq_length=case.seq_length, vocab_size=case.vocab_size)
+        return multimodal.synthetic_multimodal_batches(spec, seed=100 + iteration,
+                                                       micro_batch_size=case.micro_batch_size,
+                                                       images_per_sample_mean=1.0)
+    if case.variable_seq_lengths:
+        return _variable_length_mlp_batches(case, seed=100 + iteration)
+    return mlp.synthetic_mlp_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
+                                        seq_length=case.seq_length, hidden_size=32)
+
+
+def _variable_length_mlp_batches(case: Case, seed: int):
+    """Like mlp.synthetic_mlp_batches, but each microbatch draws its own sequence length."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        length = int(torch.randint(2, 2 * case.seq_length, (1,), generator=generator))
+        shape = (length, case.micro_batch_size, 32)
+        yield {"inputs": torch.randn(shape, generator=generator), "targets": torch.randn(shape, generator=generator)}
+
+
+def compare_with_megatron(case: Case) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    from megatron_rrfp.bench.hooks import delay_messages, delay_tasks
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
+    from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.policy.hints import megatron_1f1b_order
+    from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.train import models
+
+    enable_cpu_reference_schedules()
+    rank = dist.get_rank()
+    data_parallel = parallel_state.get_data_parallel_world_size()
+    reference, candidate = _build(case, data_parallel), _build(case, data_parallel)
+    forward_step = models.gpt_forward_step if case.model == "gpt" else mlp.mlp_forward_step
+    if case.model == "multimodal":
+        from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
+    rng = random.Random(case.delay_seed * 1000 + rank)
+    options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
+                            timeout_s=case.timeout_s)
+    task_delay = (lambda task: rng.uniform(0.0, case.max_task_delay_s)) if case.max_task_delay_s else None
+    message_delay = (lambda message: case.late_delay_s) if case.late_rank == rank else None
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
+    megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
+    loss_err = grad_err = 0.0
+    losses_ref, losses_rrfp, orders, wgrad_bytes = [], [], [], 0
+    for iteration in range(case.iterations):
+        results = []
+        for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
+                                       (candidate, forward_backward_rrfp, {"rrfp_config": options})):
+            rrfp = schedule is forward_backward_rrfp  # delays only perturb RRFP's order
+            delay_tasks(task_delay if rrfp else None)
+            delay_messages(message_delay if rrfp else None)
+            _zero_grads(model)
+            with torch.set_grad_enabled(not case.forward_only):
+                losses = schedule(forward_step_func=forward_step, data_iterator=_data(case, iteration), model=model,
+                                  num_microbatches=case.num_microbatches, seq_length=case.seq_length,
+                                  micro_batch_size=case.micro_batch_size, forward_only=case.forward_only, **extra)
+            results.append((losses, None if case.forward_only else _grads(model)))
+        (ref_losses, ref_grads), (our_losses, our_grads) = results
+        report = last_iteration_report()
+        orders.append(report.order_string)
+        wgrad_bytes = max(wgrad_bytes, report.peak_deferred_wgrad_bytes)
+        if len(ref_losses) != len(our_losses):
+            raise AssertionError(f"rank {rank}: {len(our_losses)} losses vs megatron's {len(ref_losses)}")
+        for a, b in zip(ref_losses, our_losses):
+            for key in a:
+                loss_err = max(loss_err, _relative(a[key], b[key]))
+        if ref_losses:
+            key = next(iter(ref_losses[0]))
+            losses_ref.append(_mean_loss(ref_losses, key))
+            losses_rrfp.append(_mean_loss(our_losses, key))
+        if not case.forward_only:
+            grad_err = max([grad_err] + [_relative(ref_grads[n], our_grads[n]) for n in ref_grads])
+            _sgd_step(reference, case.learning_rate)
+            _sgd_step(candidate, case.learning_rate)
+    delay_tasks(None)
+    delay_messages(None)
+    shutdown()
+    return {
+        "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
+        "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
+        "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
+        "peak_deferred_wgrad_bytes": wgrad_bytes,
+    }
+
+
+def run_cases(cases: list[Case]) -> list[dict]:
+    """Several cases in one launch (process start-up dominates small runs on CPU)."""
+    return [compare_with_megatron(case) for case in cases]

@@ -1,0 +1,89 @@
+"""RRFP vs megatron-core's *interleaved* schedule (model chunks), under random delays.
+
+Runs on every rank of a ``launch(..., vpp=2)``. Megatron's interleaved reference uses
+non-batched p2p: at PP=2 its batched p2p gives silently wrong gradients
+(see the brief; Megatron-LM's argument checks forbid that combination).
+"""
+from __future__ import annotations
+
+import random
+
+
+def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
+                        max_task_delay_s: float = 0.01, seed: int = 0) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
+    from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.policy.hints import megatron_1f1b_order
+    from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.train import models
+
+    from . import mlp
+    from .equivalence import _grads, _relative, _sgd_step, _zero_grads
+
+    enable_cpu_reference_schedules()
+    rank = dist.get_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    seq, mbs, vocab = 16, 2, 64
+
+    def build(reference: bool):
+        config = models.tiny_gpt_config()
+        if reference:
+            config.batch_p2p_comm = False
+        if model == "gpt":
+            return [models.build_gpt_stage(config, vocab_size=vocab, seq_length=seq, seed=5, vp_stage=c)
+                    for c in range(chunks)]
+        return [mlp.build_mlp_stage(config, seed=5, vp_stage=c) for c in range(chunks)]
+
+    def data(iteration: int):
+        if model == "gpt":
+            return [models.synthetic_gpt_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
+                                                 vocab_size=vocab) for _ in range(chunks)]
+        return [mlp.synthetic_mlp_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
+                                             hidden_size=32) for _ in range(chunks)]
+
+    step = models.gpt_forward_step if model == "gpt" else mlp.mlp_forward_step
+    reference, candidate = build(True), build(False)
+    rng = random.Random(seed * 1000 + rank)
+    options = RRFPConfig(timeout_s=60)
+    task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
+    loss_err = grad_err = 0.0
+    orders, num_losses, peaks = [], 0, []
+    for iteration in range(iterations):
+        outs = []
+        for chunk_models, run, extra in ((reference, forward_backward_pipelining_with_interleaving, {}),
+                                         (candidate, forward_backward_rrfp, {"rrfp_config": options})):
+            for m in chunk_models:
+                _zero_grads(m)
+            delay_tasks(task_delay if run is forward_backward_rrfp else None)  # perturb RRFP only
+            losses = run(forward_step_func=step, data_iterator=data(iteration), model=chunk_models,
+                         num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs, **extra)
+            outs.append((losses, [_grads(m) for m in chunk_models]))
+        (ref_losses, ref_grads), (our_losses, our_grads) = outs
+        report = last_iteration_report()
+        orders.append(report.order_string)
+        peaks.append(report.peak_in_flight)
+        assert len(ref_losses) == len(our_losses), (len(ref_losses), len(our_losses))
+        num_losses += len(our_losses)
+        for a, b in zip(ref_losses, our_losses):
+            for key in a:
+                loss_err = max(loss_err, _relative(a[key], b[key]))
+        for ref_chunk, our_chunk in zip(ref_grads, our_grads):
+            grad_err = max([grad_err] + [_relative(ref_chunk[n], our_chunk[n]) for n in ref_chunk])
+        for chunk_models in (reference, candidate):
+            for m in chunk_models:
+                _sgd_step(m, 0.05)
+    delay_tasks(None)
+    shutdown()
+    return {"rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "orders": orders,
+            "megatron_order": megatron_order, "num_losses": num_losses, "peak_in_flight": max(peaks),
+            "losses_megatron": [], "losses_rrfp": []}
