@@ -21,7 +21,7 @@ set -euo pipefail
 rrfp_setup() {
     RRFP_REPO=${RRFP_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
     RRFP_REPO=$(cd "$RRFP_REPO" && pwd)
-    if [[ ! -f "$RRFP_REPO/megatron_rrfp/train.py" ]]; then
+    if [[ ! -f "$RRFP_REPO/megatron_rrfp/train/driver.py" ]]; then
         echo "rrfp: RRFP_REPO=$RRFP_REPO is not a megatron-rrfp checkout (submit from the repo root or set RRFP_REPO)" >&2
         exit 2
     fi
