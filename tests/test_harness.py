@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from helpers import mlp
 from megatron_rrfp.dist import launcher as launcher_module
 from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
 
@@ -70,11 +71,11 @@ def _mlp_1f1b_losses() -> list[float]:
 
     enable_cpu_reference_schedules()
     config = models.tiny_gpt_config(num_layers=4, hidden_size=16, ffn_hidden_size=32)
-    stage = models.build_mlp_stage(config, seed=11)
-    data = models.synthetic_mlp_batches(seed=5, micro_batch_size=MBS, seq_length=SEQ,
+    stage = mlp.build_mlp_stage(config, seed=11)
+    data = mlp.synthetic_mlp_batches(seed=5, micro_batch_size=MBS, seq_length=SEQ,
                                         hidden_size=16)
     losses = get_forward_backward_func()(
-        forward_step_func=models.mlp_forward_step, data_iterator=data, model=stage,
+        forward_step_func=mlp.mlp_forward_step, data_iterator=data, model=stage,
         num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS)
     return [float(d["mse loss"][0]) for d in losses]
 
@@ -99,7 +100,7 @@ def _gpt_grads(full_state=None, vpp=None) -> dict:
               for v in range(vpp or 1)]
     params = {}  # PP=1 name -> parameter
     for chunk in chunks:
-        names = models.pp1_parameter_names(chunk)
+        names = mlp.pp1_parameter_names(chunk)
         params.update((names[n], p) for n, p in chunk.named_parameters())
     if full_state is not None:
         with torch.no_grad():

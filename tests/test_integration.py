@@ -175,7 +175,8 @@ def test_cli_rrfp_routes_with_the_flags_options_and_1f1b_restores(arguments, mon
                                     "--rrfp-timeout", "30"])
     assert integration.routed()
     config = configure()
-    assert (config.hint, config.buffer_limit, config.strict, config.timeout_s) == ("bf", 16, True, 30.0)
+    policy = config.arbiter
+    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == ("bf", 16, True, 30.0)
     assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_rrfp
     assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
     _parse(arguments, monkeypatch, ["--pipeline-schedule", "1f1b"])
@@ -268,13 +269,13 @@ def test_programmatic_install_validates_and_announces_once(capsys):
         integration.install(schedule="rrfp", buffer_limit=0)
     assert not integration.routed()
     integration.install(schedule="rrfp", hint="bf", buffer_limit=16)
-    assert configure().buffer_limit == 16
+    assert configure().arbiter.buffer_limit == 16
     capsys.readouterr()
     for _ in range(3):
         integration.get_forward_backward_func(pp_size=2, vp_size=None)
     assert capsys.readouterr().out == "megatron-rrfp: pipeline schedule rrfp (hint=bf, buffer_limit=16)\n"
     integration.uninstall()
-    assert configure().buffer_limit == 32  # defaults are back
+    assert configure().arbiter.buffer_limit == 32  # defaults are back
 
 
 @pytest.mark.skipif(REAL_TRAINING, reason="megatron.training is importable: the [megatron.training] tests cover it")

@@ -92,7 +92,7 @@ def _exchange(n: int, ring: bool, big_every: int = 0, megatron: bool = True) -> 
         from megatron.core import parallel_state
 
         pp = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-        groups = create_directed_groups(timeout=TIMEOUT, ring=ring)
+        groups = create_directed_groups(pp, timeout=TIMEOUT, ring=ring)
     else:
         pp = list(range(dist.get_world_size()))
         groups = create_directed_groups(pp, timeout=TIMEOUT, ring=ring)

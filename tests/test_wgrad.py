@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import mlp
 from megatron_rrfp.dist.launcher import launch
 
 SEQ, MBS, VOCAB, MICROBATCHES = 16, 2, 64, 4
@@ -35,7 +36,7 @@ def _build(kind: str, ddp: str, *, pre_process: bool):
         stage = models.build_gpt_stage(config, vocab_size=VOCAB, seq_length=SEQ, seed=1,
                                        pre_process=pre_process, post_process=True)
     else:
-        stage = models.build_mlp_stage(config, seed=1, pre_process=pre_process, post_process=True)
+        stage = mlp.build_mlp_stage(config, seed=1, pre_process=pre_process, post_process=True)
     model = stage
     if ddp:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -46,7 +47,7 @@ def _build(kind: str, ddp: str, *, pre_process: bool):
     if kind == "gpt":
         data = models.synthetic_gpt_batches(seed=3, micro_batch_size=MBS, seq_length=SEQ, vocab_size=VOCAB)
     else:
-        data = models.synthetic_mlp_batches(seed=3, micro_batch_size=MBS, seq_length=SEQ, hidden_size=hidden)
+        data = mlp.synthetic_mlp_batches(seed=3, micro_batch_size=MBS, seq_length=SEQ, hidden_size=hidden)
     batches = [next(data) for _ in range(MICROBATCHES)]
     gen = torch.Generator().manual_seed(7)
     inputs = [torch.randn(SEQ, MBS, hidden, generator=gen) for _ in range(MICROBATCHES)]
@@ -280,7 +281,7 @@ def sequence_parallel_refused() -> str:
     from megatron_rrfp.train import models
 
     config = models.tiny_gpt_config(sequence_parallel=True)
-    stage = models.build_mlp_stage(config, seed=1)
+    stage = mlp.build_mlp_stage(config, seed=1)
     try:
         wgrad.install([stage])
     except NotImplementedError as exc:

@@ -38,6 +38,7 @@ import argparse
 import sys
 from typing import Optional
 
+from ..mcore import compat
 from ..mcore.config import RRFPConfig, defaults, set_defaults
 from . import hookpoints
 from .flags import PIPELINE_SCHEDULES, add_rrfp_arguments, validate_rrfp_arguments
@@ -200,7 +201,7 @@ def _select_rrfp(config: RRFPConfig) -> None:
 def _route() -> None:
     if _state.original_lookup is not None:
         return
-    original = hookpoints.megatron_schedule_lookup()
+    original = compat.megatron_schedule_lookup()
     hookpoints.schedule_lookup_modules()  # both must be loaded before the rebind below
     _state.routed_modules = hookpoints.rebind_loaded(_LOOKUP, original, get_forward_backward_func)
     _state.original_lookup = original
@@ -223,8 +224,8 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     Same signature as Megatron's (0.19's ``schedule_pg_collection=`` passes through
     ``kwargs``); PP = 1 gets whatever Megatron's own lookup returns.
     """
-    original = _state.original_lookup or hookpoints.megatron_schedule_lookup()
-    if hookpoints.schedule_lookup_pipeline_size(pp_size, vp_size, kwargs.get("schedule_pg_collection")) > 1:
+    original = _state.original_lookup or compat.megatron_schedule_lookup()
+    if compat.schedule_lookup_pipeline_size(pp_size, vp_size, kwargs.get("schedule_pg_collection")) > 1:
         from ..mcore.schedule import forward_backward_rrfp
 
         _announce_once()

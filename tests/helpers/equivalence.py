@@ -106,7 +106,7 @@ def _sgd_step(model, lr: float) -> None:
 
 
 def _data(case: Case, iteration: int):
-    from .. import models
+    from megatron_rrfp.train import models
 
     if case.model == "gpt":
         return models.synthetic_gpt_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,

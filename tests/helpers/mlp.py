@@ -6,6 +6,7 @@ function as one process.
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -125,3 +126,26 @@ def _mlp_loss(targets, output_tensor):
     num_tokens = torch.tensor(targets.shape[0] * targets.shape[1], dtype=torch.int)
     report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
     return loss, num_tokens, {"mse loss": report}
+
+
+_GPT_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MLP_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+def pp1_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Map each parameter name of a stage to its name in the PP=1 model (same TP).
+
+    GPT layers are renumbered from their global ``layer_number``; MLPStage blocks from
+    ``first_block``; embedding, final norm and heads keep their names.
+    """
+    names = {}
+    for name, _ in model.named_parameters():
+        if match := _GPT_LAYER.match(name):
+            layer = model.decoder.layers[int(match.group(1))]
+            names[name] = _GPT_LAYER.sub(f"decoder.layers.{layer.layer_number - 1}.", name)
+        elif match := _MLP_BLOCK.match(name):
+            names[name] = _MLP_BLOCK.sub(f"blocks.{model.first_block + int(match.group(1))}.",
+                                         name)
+        else:
+            names[name] = name
+    return names
