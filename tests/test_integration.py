@@ -105,7 +105,7 @@ def test_install_adds_the_flags_and_defaults_change_nothing(arguments, monkeypat
     original_lookup = _megatron_lookup()
     args = _parse(arguments, monkeypatch, [])
     assert (args.pipeline_schedule, args.rrfp_hint, args.rrfp_buffer_limit, args.rrfp_strict, args.rrfp_timeout,
-            args.rrfp_trace_dir, args.rrfp_goodput_ledger) == ("1f1b", "bf", 32, False, 600.0, None, None)
+            args.rrfp_trace_dir, args.rrfp_goodput_ledger) == ("1f1b", "default", "1x", False, 600.0, None, None)
     import megatron.core.pipeline_parallel as pipeline_parallel
 
     assert not integration.routed()
@@ -176,7 +176,7 @@ def test_cli_rrfp_routes_with_the_flags_options_and_1f1b_restores(arguments, mon
     assert integration.routed()
     config = configure()
     policy = config.arbiter
-    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == ("bf", 16, True, 30.0)
+    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == ("default", 16, True, 30.0)
     assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_rrfp
     assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
     _parse(arguments, monkeypatch, ["--pipeline-schedule", "1f1b"])
@@ -275,7 +275,7 @@ def test_programmatic_install_validates_and_announces_once(capsys):
         integration.get_forward_backward_func(pp_size=2, vp_size=None)
     assert capsys.readouterr().out == "megatron-rrfp: pipeline schedule rrfp (hint=bf, buffer_limit=16)\n"
     integration.uninstall()
-    assert configure().arbiter.buffer_limit == 32  # defaults are back
+    assert configure().arbiter.buffer_limit == "1x"  # defaults are back
 
 
 @pytest.mark.skipif(REAL_TRAINING, reason="megatron.training is importable: the [megatron.training] tests cover it")

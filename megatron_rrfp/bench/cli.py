@@ -5,6 +5,7 @@ import argparse
 import os
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..policy.budget import parse_limit
 from ..sim.cli import add_workload_arguments, workload_from_args
 
 
@@ -35,8 +36,9 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
         p.add_argument("--warmup", type=int, default=1)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
-                       help=f"RRFP's microbatches in flight per stage (default {DEFAULT_BUFFER_LIMIT})")
+        p.add_argument("--buffer-limit", type=parse_limit, default=DEFAULT_BUFFER_LIMIT,
+                       help="RRFP's activations in flight per stage: an integer, or a multiple of Megatron's "
+                            f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
         p.add_argument("--goodput-ledger", metavar="DB", default=None,

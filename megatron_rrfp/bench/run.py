@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..policy.budget import LimitSpec
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 
@@ -59,7 +60,8 @@ class BenchConfig:
     iterations: int = 5
     warmup: int = 1
     seed: int = 0
-    buffer_limit: int = DEFAULT_BUFFER_LIMIT
+    buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT
+    """RRFP's limit: an int or a multiple of Megatron's peak in flight ("1x")."""
     out_dir: str = "rrfp-out/bench"
     goodput_ledger: Optional[str] = None
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""

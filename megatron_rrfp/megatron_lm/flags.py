@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
+from ..policy.budget import BufferLimitError, parse_limit
 from ..policy.hints import BUILTIN_HINTS, HintError
 
 PIPELINE_SCHEDULES = ("1f1b", "rrfp")
@@ -22,8 +23,10 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--rrfp-hint", default=DEFAULT_HINT,
                        help=f"hint order: {', '.join(BUILTIN_HINTS)} or a JSON / CSV hint file "
                             f"(default {DEFAULT_HINT})")
-    group.add_argument("--rrfp-buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
-                       help=f"microbatches in flight per stage before backpressure (default {DEFAULT_BUFFER_LIMIT})")
+    group.add_argument("--rrfp-buffer-limit", type=parse_limit, default=DEFAULT_BUFFER_LIMIT,
+                       help="activations in flight per stage before backpressure: an integer count of "
+                            "(microbatch, chunk) forwards, or a multiple of what Megatron's own schedule holds "
+                            f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
     group.add_argument("--rrfp-strict", action="store_true",
                        help="run the hint as a fixed order (baseline in the same runtime)")
     group.add_argument("--rrfp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -64,9 +67,10 @@ def _rrfp_flags_set(args: argparse.Namespace) -> bool:
 
 def rrfp_config_from_args(args: argparse.Namespace) -> RRFPConfig:
     """The executor options the flags ask for; ValueError naming the flag on a bad value."""
-    if not isinstance(args.rrfp_buffer_limit, int) or args.rrfp_buffer_limit < 1:
-        raise ValueError(f"--rrfp-buffer-limit must be an integer >= 1, got {args.rrfp_buffer_limit!r} "
-                         f"(default {DEFAULT_BUFFER_LIMIT})")
+    try:
+        parse_limit(str(args.rrfp_buffer_limit))
+    except BufferLimitError as exc:
+        raise ValueError(f"--rrfp-buffer-limit: {exc}") from None
     if not args.rrfp_timeout > 0:
         raise ValueError(f"--rrfp-timeout must be > 0 seconds, got {args.rrfp_timeout!r}")
     try:
