@@ -43,6 +43,7 @@ _STAND_IN_ARGUMENTS = textwrap.dedent('''
     def add_megatron_arguments(parser):
         parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         parser.add_argument("--micro-batch-size", type=int, default=1)
+        parser.add_argument("--expert-model-parallel-size", type=int, default=1)
         return parser
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -139,6 +140,12 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
     (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "many"], "--rrfp-buffer-limit"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "0"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "soon"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "nan"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "inf"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2"),
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--rrfp-hint", "{hint3}"],
+     "lists 3 stages but the pipeline has 2"),
     (["--pipeline-schedule", "rrfp", "--rrfp-hint", "no-such-hint"], "--rrfp-hint"),
     (["--pipeline-schedule", "rrfp", "--rrfp-trace-dir", "{file}"], "--rrfp-trace-dir"),
     (["--pipeline-schedule", "rrfp", "--rrfp-goodput-ledger", "{file}/ledger.sqlite"], "--rrfp-goodput-ledger"),
@@ -146,7 +153,9 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
 def test_bad_value_exits_with_an_error_naming_the_flag(arguments, monkeypatch, capsys, tmp_path, argv, flag):
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
-    argv = [a.format(file=a_file) for a in argv]
+    hint3 = tmp_path / "three-stages.json"
+    hint3.write_text(json.dumps({"stages": ["0F0,0B0"] * 3}))
+    argv = [a.format(file=a_file, hint3=hint3) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         _parse(arguments, monkeypatch, argv)
     assert exit_info.value.code == 2

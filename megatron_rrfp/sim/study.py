@@ -5,11 +5,13 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from tqdm import tqdm
 
+from ..checks import Bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..policy.plan import Plan
 from ..policy.topology import Topology
 from .bounds import lower_bound
 from .simulator import BASELINE, median, policy, simulate
@@ -31,6 +33,35 @@ class StudyConfig:
     seeds: int = 5
     first_seed: int = 0
     variability: Variability = field(default_factory=Variability)
+
+    BOUNDS: ClassVar[dict[str, Bound]] = {
+        "pipeline_size": integer(1, 1024), "num_microbatches": integer(1, 100_000), "num_chunks": integer(1, 64),
+        "buffer_limit": integer(1), "seeds": integer(1, 100_000), "first_seed": integer(0, 2**32 - 1),
+    }
+    FLAGS: ClassVar[dict[str, str]] = {
+        "pipeline_size": "--pp", "num_microbatches": "--microbatches", "num_chunks": "--chunks",
+        "buffer_limit": "--buffer-limit", "seeds": "--seeds", "first_seed": "--first-seed",
+    }
+    MAX_TASKS = 10_000_000
+    """Stages x chunks x microbatches: more would not fit one seed's durations in memory."""
+
+    def __post_init__(self) -> None:
+        """Every value, the layout and every policy's plan, before anything is simulated."""
+        check_fields(self, self.BOUNDS, self.FLAGS)
+        tasks = self.pipeline_size * self.num_chunks * self.num_microbatches
+        if tasks > self.MAX_TASKS:
+            raise ValueError(f"--pp x --chunks x --microbatches = {tasks} tasks per stage set; at most "
+                             f"{self.MAX_TASKS} fit one seed's durations in memory")
+        if isinstance(self.policies, str) or not self.policies or not all(isinstance(p, str) and p
+                                                                          for p in self.policies):
+            raise ValueError(f"--policies must be a comma list of policy names, got {self.policies!r}")
+        self.variability.check_layout(self.pipeline_size)
+        topology = Topology(self.pipeline_size, self.num_chunks)
+        for name in dict.fromkeys([BASELINE, *self.policies]):
+            try:
+                Plan.build(policy(name, self.buffer_limit), topology, self.num_microbatches)
+            except ValueError as exc:  # HintError: unknown name, malformed or unrunnable hint file
+                raise ValueError(f"--policies {name}: {exc}") from None
 
 
 def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
