@@ -378,7 +378,8 @@ def _fake_checkout(root, minor: int, patch: int):
 
 
 @pytest.mark.parametrize("minor, patch, message", [
-    (15, 0, "not in the supported list"),
+    (14, 0, "is not supported (0.15.x - 0.19.x)"),
+    (20, 0, "is not supported (0.15.x - 0.19.x)"),
     (16, 1, "does not apply"),  # supported release, but the scripts differ: nothing is changed
 ])
 def test_apply_sh_refuses_with_a_clear_message(tmp_path, minor, patch, message):
@@ -390,8 +391,48 @@ def test_apply_sh_refuses_with_a_clear_message(tmp_path, minor, patch, message):
     assert (checkout / "pretrain_gpt.py").read_text() == before
 
 
+PATCHES = ("megatron-lm-core_v0.15.0.patch", "megatron-lm-core_v0.16.1.patch", "megatron-lm-core_v0.19.0.patch")
+INSTALL_LINE = "import megatron_rrfp; megatron_rrfp.install()"
+
+
+def _pre_image_checkout(root, patch_name: str, release: str):
+    """A checkout whose two scripts are exactly what the patch expects around its line
+    (rebuilt from the patch's own context, padded to its line numbers)."""
+    major, minor, micro = release.split(".")
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {micro}\nPRE_RELEASE = 'rc0'\n")
+    with open(os.path.join(REPO, "patches", patch_name)) as f:
+        text = f.read()
+    for section in text.split("diff --git ")[1:]:
+        name = section.split()[0][2:]
+        start = int(section.split("@@ -")[1].split(",")[0])
+        body = section.split("@@\n", 1)[1].splitlines()
+        old = [line[1:] for line in body if line[:1] in (" ", "-")]
+        (root / name).write_text("".join(f"# line {i}\n" for i in range(1, start)) + "\n".join(old) + "\nrest()\n")
+    return root
+
+
+@pytest.mark.parametrize("patch_name, release", [
+    ("megatron-lm-core_v0.15.0.patch", "0.15.4"), ("megatron-lm-core_v0.16.1.patch", "0.17.0"),
+    ("megatron-lm-core_v0.19.0.patch", "0.19.0"), ("megatron-lm-core_v0.19.0.patch", "0.18.3")])
+def test_apply_sh_adds_the_line_even_inside_another_repository_and_only_once(tmp_path, patch_name, release):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)  # a vendored copy inside a project
+    checkout = _pre_image_checkout(tmp_path / "third_party" / "Megatron-LM", patch_name, release)
+    script = ["bash", os.path.join(REPO, "patches", "apply.sh"), str(checkout)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and f"applied {patch_name}" in proc.stdout, proc.stdout + proc.stderr
+    for name in ("pretrain_gpt.py", "pretrain_vlm.py"):
+        assert (checkout / name).read_text().splitlines().count(INSTALL_LINE) == 1, name
+    again = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already has the line" in again.stdout, again.stdout + again.stderr
+    (checkout / "pretrain_vlm.py").write_text((checkout / "pretrain_vlm.py").read_text().replace(INSTALL_LINE, ""))
+    partial = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert partial.returncode == 1 and "only some of" in partial.stderr, partial.stderr
+
+
 def test_patches_add_only_the_install_line():
-    for name in ("megatron-lm-core_v0.16.1.patch", "megatron-lm-core_v0.19.0.patch"):
+    for name in PATCHES:
         with open(os.path.join(REPO, "patches", name)) as f:
             lines = f.read().splitlines()
         added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
