@@ -12,8 +12,10 @@ Formulas, per measured iteration (wall = slowest rank, between two barriers):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -283,13 +285,12 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     from tqdm import tqdm
 
     from ..dist.launcher import launch
-    from .emulation import SendTimeTable, shared_table_path
+    from .emulation import SendTimeTable, remove_stale_tables, shared_table_path
 
+    remove_stale_tables()
     tag = f"{os.getpid()}-{int(time.time())}"
     progress_path = os.path.join(config.out_dir, f".progress-{tag}")
     table_path = shared_table_path(tag)
-    SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
-    open(progress_path, "w").close()
     box: dict = {}
 
     def work() -> None:
@@ -301,26 +302,50 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    total = len(config.schedules) * (config.warmup + config.iterations)
-    with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
-        while thread.is_alive():
-            thread.join(0.5)
-            with open(progress_path, encoding="utf-8") as handle:
-                lines = handle.read().split()
-            done = int(lines[-3]) if len(lines) >= 3 else 0
-            if done > bar.n:
-                bar.set_postfix_str(lines[-1])
-                bar.update(done - bar.n)
-    for path in (progress_path, table_path):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+    try:  # the shared-memory table and the progress file go on any exit: error, Ctrl-C, SIGTERM
+        with _termination_as_exit():
+            SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
+            open(progress_path, "w").close()
+            thread = threading.Thread(target=work, daemon=True)
+            thread.start()
+            total = len(config.schedules) * (config.warmup + config.iterations)
+            with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
+                while thread.is_alive():
+                    thread.join(0.5)
+                    with open(progress_path, encoding="utf-8") as handle:
+                        lines = handle.read().split()
+                    done = int(lines[-3]) if len(lines) >= 3 else 0
+                    if done > bar.n:
+                        bar.set_postfix_str(lines[-1])
+                        bar.update(done - bar.n)
+    finally:
+        for path in (progress_path, table_path):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
     if "error" in box:
         raise box["error"]
     return box["results"]
+
+
+@contextlib.contextmanager
+def _termination_as_exit():
+    """SIGTERM / SIGHUP raise SystemExit(128 + signal) in the main thread while inside, so
+    ``finally`` clauses run (Ctrl-C already raises KeyboardInterrupt); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, exit_now) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _run_in_this_process(config: BenchConfig) -> dict:
