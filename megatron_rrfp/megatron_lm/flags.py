@@ -77,7 +77,7 @@ def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:
                          "(expert all-to-alls span data-parallel ranks and would need agreement across them); "
                          "use --pipeline-schedule 1f1b with expert parallelism")
     pp = getattr(args, "pipeline_model_parallel_size", None)
-    if isinstance(pp, int) and pp >= 1:
+    if isinstance(pp, int) and pp >= 2:  # at PP=1 Megatron runs no pipeline schedule: the hint is unused
         try:
             config.arbiter.parsed_hint.orders(Topology(pp), 1)  # an explicit list must have one order per stage
         except HintError as exc:
