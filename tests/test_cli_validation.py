@@ -164,6 +164,7 @@ def test_every_numeric_flag_is_covered():
     (["bench", "--model", "multimodal", "--seq-length", "8"], "--seq-length"),
     (["bench", "--schedules", "rrfp-bf"], "--schedules"),
     (["demo", "--straggler-stage", "4"], "--straggler-stage"),
+    (["bench", "--json", "/no/such/directory/bench.json"], "--json"),
     (["train", "--cpu", "--nproc", "3", "--pipeline-model-parallel-size", "2"], "world size 3"),
     (["train", "--cpu", "--global-batch-size", "7"], "--global-batch-size 7"),
     (["train", "--cpu", "--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr"),

@@ -55,6 +55,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from ..sim.variability import Variability
     from .run import BenchConfig, format_table, run_bench
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json!r}: its directory does not exist (checked now, not after the run)")
     config = BenchConfig(
         model=args.model, pipeline_size=args.pp, num_chunks=args.chunks, tensor_parallel=args.tp,
         data_parallel=args.dp,

@@ -332,7 +332,8 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
 @contextlib.contextmanager
 def _termination_as_exit():
     """SIGTERM / SIGHUP raise SystemExit(128 + signal) in the main thread while inside, so
-    ``finally`` clauses run (Ctrl-C already raises KeyboardInterrupt); elsewhere a no-op."""
+    ``finally`` clauses run (Ctrl-C already raises KeyboardInterrupt); elsewhere a no-op.
+    A signal someone else handles or ignores (``nohup``) is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -340,7 +341,8 @@ def _termination_as_exit():
     def exit_now(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, exit_now) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, exit_now) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is signal.SIG_DFL}
     try:
         yield
     finally:
