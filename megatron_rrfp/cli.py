@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from . import __version__
+from .checks import OneLineParser, report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .sim.cli import add_simulate_parser
     from .train.driver import add_train_parser
 
-    parser = argparse.ArgumentParser(prog="megatron-rrfp", description=__doc__)
+    parser = OneLineParser(prog="megatron-rrfp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)
@@ -32,8 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:  # user errors: one clear line, no traceback
-        print(f"megatron-rrfp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(f"megatron-rrfp {args.command}", exc)
 
 
 if __name__ == "__main__":

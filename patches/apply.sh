@@ -7,44 +7,72 @@
 # Not needed to use megatron-rrfp: `python -m megatron_rrfp.launch pretrain_gpt.py ...`
 # runs the unmodified scripts. This is for those who prefer editing their checkout.
 #
-# The release is read from CHECKOUT/megatron/core/package_info.py and must be one the
-# patches were checked against (`git apply --check` on Megatron-LM's tags and release
-# branches: core_v0.16.0, core_v0.16.1, core_r0.16.0 (0.16.2), core_v0.17.0,
-# core_v0.17.1, core_v0.18.0, core_v0.18.2, core_v0.19.0 and core_r0.19.0 (0.19.1)).
+# The release is read from CHECKOUT/megatron/core/package_info.py; every release the
+# README names has a patch, checked with `git apply --check` against Megatron-LM's tags
+# and release branches: core_v0.15.0-core_v0.15.3 and core_r0.15.0 (0.15.4) take the
+# 0.15.0 patch; core_v0.16.0, core_v0.16.1, core_r0.16.0 (0.16.2), core_v0.17.0 (0.17.0rc0
+# in its package_info), core_v0.17.1 and core_r0.17.0 (0.17.2) the 0.16.1 patch;
+# core_v0.18.0, core_v0.18.2, core_r0.18.0 (0.18.3), core_v0.19.0 (whose package_info says
+# 0.19.1; its parent commit says 0.19.0) and core_r0.19.0 (0.19.1) the 0.19.0 patch.
+#
+# Success means the line is in both files afterwards: it is looked for, not inferred from
+# git's exit status (inside another repository, git apply silently skips paths it
+# considers outside its directory).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+line='import megatron_rrfp; megatron_rrfp.install()'
+files=(pretrain_gpt.py pretrain_vlm.py)
 
 die() { echo "apply.sh: $*" >&2; exit 1; }
 
 [[ $# -eq 1 ]] || die "usage: patches/apply.sh CHECKOUT   (a Megatron-LM source checkout)"
-checkout="$1"
+[[ -d "$1" ]] || die "$1 is not a directory"
+checkout="$(cd "$1" && pwd -P)"
 info="$checkout/megatron/core/package_info.py"
 [[ -f "$info" ]] || die "$checkout is not a Megatron-LM checkout: $info not found"
-[[ -f "$checkout/pretrain_gpt.py" ]] || die "$checkout has no pretrain_gpt.py (a megatron-core wheel or" \
-    "a partial checkout?); use 'python -m megatron_rrfp.launch SCRIPT ...' instead"
+for file in "${files[@]}"; do
+    [[ -f "$checkout/$file" ]] || die "$checkout has no $file (a megatron-core wheel or a partial checkout?);" \
+        "use 'python -m megatron_rrfp.launch SCRIPT ...' instead"
+done
 
 field() { sed -n "s/^$1 *= *\([0-9][0-9]*\).*/\1/p" "$info" | head -n 1; }
 release="$(field MAJOR).$(field MINOR).$(field PATCH)"
 [[ "$release" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "could not read the release from $info (got '$release')"
 
-# release -> patch; the entry scripts' opening lines changed between 0.17 and 0.18.
-case "$release" in
-    0.16.0|0.16.1|0.16.2|0.17.0|0.17.1) patch="megatron-lm-core_v0.16.1.patch" ;;
-    0.18.0|0.18.2|0.19.1)               patch="megatron-lm-core_v0.19.0.patch" ;;
-    *) die "Megatron-LM release $release is not in the supported list" \
-           "(0.16.0-0.16.2, 0.17.0, 0.17.1, 0.18.0, 0.18.2, 0.19.1);" \
+# major.minor -> patch; the entry scripts' opening lines changed at 0.16 and at 0.18.
+case "${release%.*}" in
+    0.15)      patch="megatron-lm-core_v0.15.0.patch" ;;
+    0.16|0.17) patch="megatron-lm-core_v0.16.1.patch" ;;
+    0.18|0.19) patch="megatron-lm-core_v0.19.0.patch" ;;
+    *) die "Megatron-LM release $release is not supported (0.15.x - 0.19.x);" \
            "use 'python -m megatron_rrfp.launch SCRIPT ...', which needs no edit" ;;
 esac
 
-cd "$checkout"
-if git apply --reverse --check "$here/$patch" 2>/dev/null; then
-    echo "apply.sh: $checkout (release $release) already has $patch applied; nothing to do"
+has_line() { grep -qxF "$line" "$checkout/$1"; }
+present=0
+for file in "${files[@]}"; do
+    if has_line "$file"; then present=$((present + 1)); fi
+done
+if [[ $present -eq ${#files[@]} ]]; then
+    echo "apply.sh: $checkout (release $release) already has the line in ${files[*]}; nothing to do"
     exit 0
 fi
-if ! git apply --check "$here/$patch"; then
-    die "$patch does not apply to $checkout (release $release): pretrain_gpt.py or pretrain_vlm.py" \
+[[ $present -eq 0 ]] || die "$checkout has the line in only some of ${files[*]} (edited by hand?);" \
+    "revert those files and run apply.sh again. Nothing was changed."
+
+# Patch the checkout's files as plain files: never let git find a repository around the
+# checkout (a vendored copy inside another project), which would make it skip them.
+cd "$checkout"
+GIT_CEILING_DIRECTORIES="$(dirname "$checkout")"
+export GIT_CEILING_DIRECTORIES
+if ! git apply --check "$here/$patch" 2>/dev/null; then
+    die "$patch does not apply to $checkout (release $release): ${files[*]}" \
         "differ from the released files (local edits?). Nothing was changed."
 fi
 git apply "$here/$patch"
-echo "apply.sh: applied $patch to $checkout (release $release): pretrain_gpt.py, pretrain_vlm.py"
+for file in "${files[@]}"; do
+    has_line "$file" || die "git apply reported success but $checkout/$file lacks '$line';" \
+        "add it by hand after the first imports, or use 'python -m megatron_rrfp.launch'"
+done
+echo "apply.sh: applied $patch to $checkout (release $release): ${files[*]}"

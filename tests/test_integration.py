@@ -43,6 +43,7 @@ _STAND_IN_ARGUMENTS = textwrap.dedent('''
     def add_megatron_arguments(parser):
         parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         parser.add_argument("--micro-batch-size", type=int, default=1)
+        parser.add_argument("--expert-model-parallel-size", type=int, default=1)
         return parser
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -139,6 +140,12 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
     (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "many"], "--rrfp-buffer-limit"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "0"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "soon"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "nan"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "inf"], "--rrfp-timeout"),
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2"),
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--rrfp-hint", "{hint3}"],
+     "lists 3 stages but the pipeline has 2"),
     (["--pipeline-schedule", "rrfp", "--rrfp-hint", "no-such-hint"], "--rrfp-hint"),
     (["--pipeline-schedule", "rrfp", "--rrfp-trace-dir", "{file}"], "--rrfp-trace-dir"),
     (["--pipeline-schedule", "rrfp", "--rrfp-goodput-ledger", "{file}/ledger.sqlite"], "--rrfp-goodput-ledger"),
@@ -146,7 +153,9 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
 def test_bad_value_exits_with_an_error_naming_the_flag(arguments, monkeypatch, capsys, tmp_path, argv, flag):
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
-    argv = [a.format(file=a_file) for a in argv]
+    hint3 = tmp_path / "three-stages.json"
+    hint3.write_text(json.dumps({"stages": ["0F0,0B0"] * 3}))
+    argv = [a.format(file=a_file, hint3=hint3) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         _parse(arguments, monkeypatch, argv)
     assert exit_info.value.code == 2
@@ -176,7 +185,8 @@ def test_cli_rrfp_routes_with_the_flags_options_and_1f1b_restores(arguments, mon
     assert integration.routed()
     config = configure()
     policy = config.arbiter
-    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == ("default", 16, True, 30.0)
+    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == \
+        ("default", 16, True, 30.0)
     assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_rrfp
     assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
     _parse(arguments, monkeypatch, ["--pipeline-schedule", "1f1b"])
@@ -369,7 +379,8 @@ def _fake_checkout(root, minor: int, patch: int):
 
 
 @pytest.mark.parametrize("minor, patch, message", [
-    (15, 0, "not in the supported list"),
+    (14, 0, "is not supported (0.15.x - 0.19.x)"),
+    (20, 0, "is not supported (0.15.x - 0.19.x)"),
     (16, 1, "does not apply"),  # supported release, but the scripts differ: nothing is changed
 ])
 def test_apply_sh_refuses_with_a_clear_message(tmp_path, minor, patch, message):
@@ -381,8 +392,48 @@ def test_apply_sh_refuses_with_a_clear_message(tmp_path, minor, patch, message):
     assert (checkout / "pretrain_gpt.py").read_text() == before
 
 
+PATCHES = ("megatron-lm-core_v0.15.0.patch", "megatron-lm-core_v0.16.1.patch", "megatron-lm-core_v0.19.0.patch")
+INSTALL_LINE = "import megatron_rrfp; megatron_rrfp.install()"
+
+
+def _pre_image_checkout(root, patch_name: str, release: str):
+    """A checkout whose two scripts are exactly what the patch expects around its line
+    (rebuilt from the patch's own context, padded to its line numbers)."""
+    major, minor, micro = release.split(".")
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {micro}\nPRE_RELEASE = 'rc0'\n")
+    with open(os.path.join(REPO, "patches", patch_name)) as f:
+        text = f.read()
+    for section in text.split("diff --git ")[1:]:
+        name = section.split()[0][2:]
+        start = int(section.split("@@ -")[1].split(",")[0])
+        body = section.split("@@\n", 1)[1].splitlines()
+        old = [line[1:] for line in body if line[:1] in (" ", "-")]
+        (root / name).write_text("".join(f"# line {i}\n" for i in range(1, start)) + "\n".join(old) + "\nrest()\n")
+    return root
+
+
+@pytest.mark.parametrize("patch_name, release", [
+    ("megatron-lm-core_v0.15.0.patch", "0.15.4"), ("megatron-lm-core_v0.16.1.patch", "0.17.0"),
+    ("megatron-lm-core_v0.19.0.patch", "0.19.0"), ("megatron-lm-core_v0.19.0.patch", "0.18.3")])
+def test_apply_sh_adds_the_line_even_inside_another_repository_and_only_once(tmp_path, patch_name, release):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)  # a vendored copy inside a project
+    checkout = _pre_image_checkout(tmp_path / "third_party" / "Megatron-LM", patch_name, release)
+    script = ["bash", os.path.join(REPO, "patches", "apply.sh"), str(checkout)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and f"applied {patch_name}" in proc.stdout, proc.stdout + proc.stderr
+    for name in ("pretrain_gpt.py", "pretrain_vlm.py"):
+        assert (checkout / name).read_text().splitlines().count(INSTALL_LINE) == 1, name
+    again = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already has the line" in again.stdout, again.stdout + again.stderr
+    (checkout / "pretrain_vlm.py").write_text((checkout / "pretrain_vlm.py").read_text().replace(INSTALL_LINE, ""))
+    partial = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert partial.returncode == 1 and "only some of" in partial.stderr, partial.stderr
+
+
 def test_patches_add_only_the_install_line():
-    for name in ("megatron-lm-core_v0.16.1.patch", "megatron-lm-core_v0.19.0.patch"):
+    for name in PATCHES:
         with open(os.path.join(REPO, "patches", name)) as f:
             lines = f.read().splitlines()
         added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]

@@ -5,45 +5,48 @@ import argparse
 import os
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
-from ..policy.budget import parse_limit
 from ..sim.cli import add_workload_arguments, workload_from_args
 
 
 def add_bench_parsers(sub) -> None:
     from ..sim.variability import VARIABILITY_LEVELS
-    from .run import BENCH_SCHEDULES, DEFAULT_SCHEDULES
+    from .run import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchConfig
+
+    bounds = {flag: BenchConfig.BOUNDS[name].parse for name, flag in BenchConfig.FLAGS.items()}
 
     for name in ("bench", "demo"):
         demo = name == "demo"
         p = sub.add_parser(name, help=("the 3-minute CPU demo: Megatron 1F1B vs RRFP on a real GPTModel" if demo
                                        else "measure schedules on real megatron-core models (every knob)"))
         p.add_argument("--model", default="gpt", choices=("gpt", "multimodal"))
-        p.add_argument("--pp", type=int, default=4, help="pipeline stages (one process each locally)")
-        p.add_argument("--chunks", type=int, default=1,
+        p.add_argument("--pp", type=bounds["--pp"], default=4, help="pipeline stages (one process each locally)")
+        p.add_argument("--chunks", type=bounds["--chunks"], default=1,
                        help="model chunks per stage; > 1 compares Megatron's interleaved schedule with RRFP")
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-        p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-        p.add_argument("--microbatches", "-m", type=int, default=16)
-        p.add_argument("--micro-batch-size", type=int, default=2)
-        p.add_argument("--seq-length", type=int, default=32)
-        p.add_argument("--hidden-size", type=int, default=32)
+        p.add_argument("--tp", type=bounds["--tp"], default=1, help="tensor-parallel size")
+        p.add_argument("--dp", type=bounds["--dp"], default=1, help="data-parallel size")
+        p.add_argument("--microbatches", "-m", type=bounds["--microbatches"], default=16)
+        p.add_argument("--micro-batch-size", type=bounds["--micro-batch-size"], default=2)
+        p.add_argument("--seq-length", type=bounds["--seq-length"], default=32)
+        p.add_argument("--hidden-size", type=bounds["--hidden-size"], default=32)
         p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES if demo else BENCH_SCHEDULES),
                        help=f"comma list of {', '.join(BENCH_SCHEDULES)}")
         p.add_argument("--variability", default="j3", choices=list(VARIABILITY_LEVELS),
                        help="j0 none ... j3 = sigma_c 0.3, c50 0.1 f0, sigma_m 1.5 (the paper's reference)")
-        p.add_argument("--f0-ms", type=float, default=50.0, help="emulated forward time per stage and microbatch")
+        p.add_argument("--f0-ms", type=bounds["--f0-ms"], default=50.0,
+                       help="emulated forward time per stage and microbatch")
         add_workload_arguments(p)
-        p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
-        p.add_argument("--warmup", type=int, default=1)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--buffer-limit", type=parse_limit, default=DEFAULT_BUFFER_LIMIT,
+        p.add_argument("--iterations", type=bounds["--iterations"], default=5,
+                       help="measured iterations (after warm-up)")
+        p.add_argument("--warmup", type=bounds["--warmup"], default=1)
+        p.add_argument("--seed", type=bounds["--seed"], default=0)
+        p.add_argument("--buffer-limit", type=bounds["--buffer-limit"], default=DEFAULT_BUFFER_LIMIT,
                        help="RRFP's activations in flight per stage: an integer, or a multiple of Megatron's "
                             f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
         p.add_argument("--goodput-ledger", metavar="DB", default=None,
                        help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
-        p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the run is killed")
+        p.add_argument("--timeout", type=bounds["--timeout"], default=1200.0, help="seconds before the run is killed")
         p.set_defaults(func=_run_bench)
 
 
@@ -53,6 +56,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from ..sim.variability import Variability
     from .run import BenchConfig, format_table, run_bench
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json!r}: its directory does not exist (checked now, not after the run)")
     config = BenchConfig(
         model=args.model, pipeline_size=args.pp, num_chunks=args.chunks, tensor_parallel=args.tp,
         data_parallel=args.dp,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from typing import Optional
 
@@ -157,5 +158,37 @@ class DeviceTimeEmulator:
 
 
 def shared_table_path(tag: str) -> str:
+    """The table of one local benchmark run; ``tag`` starts with the parent's pid."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
     return os.path.join(base, f"rrfp-sendtimes-{tag}.npy")
+
+
+def remove_stale_tables() -> list[str]:
+    """Remove tables left by benchmark processes that no longer exist (killed by SIGKILL or
+    the OOM killer, where no clean-up runs); returns their paths."""
+    base = os.path.dirname(shared_table_path("x"))
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(r"rrfp-sendtimes-(\d+)-\d+\.npy", name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(base, name))
+            removed.append(os.path.join(base, name))
+        except OSError:
+            pass  # another user's, or already gone
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or a number no pid can be): leave its file alone
+    return True

@@ -12,15 +12,18 @@ Formulas, per measured iteration (wall = slowest rank, between two barriers):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import ClassVar, Optional
 
+from ..checks import BUFFER_LIMIT, TIMEOUT_S, Bound, bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec
 from ..runtime.report import BREAKDOWN_FIELDS
@@ -67,6 +70,23 @@ class BenchConfig:
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
     timeout_s: float = 1200.0
 
+    BOUNDS: ClassVar[dict[str, Bound]] = {
+        "pipeline_size": integer(2, 256), "num_chunks": integer(1, 16), "tensor_parallel": integer(1, 64),
+        "data_parallel": integer(1, 64), "num_microbatches": integer(1, 10_000), "micro_batch_size": integer(1, 4096),
+        "seq_length": integer(1, 1 << 20), "hidden_size": integer(1, 1 << 16), "f0_ms": bound(0, 60_000, low_open=True),
+        "iterations": integer(1, 10_000), "warmup": integer(0, 10_000), "seed": integer(0, 2**31 - 1),
+        "buffer_limit": BUFFER_LIMIT, "timeout_s": TIMEOUT_S,
+    }
+    FLAGS: ClassVar[dict[str, str]] = {
+        "pipeline_size": "--pp", "num_chunks": "--chunks", "tensor_parallel": "--tp", "data_parallel": "--dp",
+        "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch-size", "seq_length": "--seq-length",
+        "hidden_size": "--hidden-size", "f0_ms": "--f0-ms", "iterations": "--iterations", "warmup": "--warmup",
+        "seed": "--seed", "buffer_limit": "--buffer-limit", "timeout_s": "--timeout",
+    }
+    MAX_LOCAL_RANKS = 128
+    _HEADS = 4  # attention heads of the benchmark's tiny models (train.models.tiny_gpt_config, the ViT's spec)
+    _VOCAB = 128
+
     def variability_model(self) -> Variability:
         if self.variability not in VARIABILITY_LEVELS:
             raise ValueError(f"--variability {self.variability!r}: choose one of {', '.join(VARIABILITY_LEVELS)}")
@@ -85,6 +105,41 @@ class BenchConfig:
             raise ValueError(f"--model {self.model!r}: choose gpt or multimodal")
         if self.num_chunks < 1 or (self.num_chunks > 1 and self.model != "gpt"):
             raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt only")
+        self._check_values_and_layout()
+
+    def _check_values_and_layout(self) -> None:
+        """Every value in range and consistent with the layout, before any rank starts."""
+        from ..policy.plan import Plan
+        from ..policy.topology import Topology
+        from ..sim.simulator import policy
+
+        check_fields(self, self.BOUNDS, self.FLAGS)
+        world = self.pipeline_size * self.tensor_parallel * self.data_parallel
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+            if os.environ["WORLD_SIZE"] != str(world):
+                raise ValueError(f"--pp x --tp x --dp = {world} ranks, but the launcher started WORLD_SIZE="
+                                 f"{os.environ['WORLD_SIZE']}")
+        elif world > self.MAX_LOCAL_RANKS:
+            raise ValueError(f"--pp x --tp x --dp = {world} local ranks; at most {self.MAX_LOCAL_RANKS} run on one "
+                             "host (use torchrun / srun for more)")
+        if self.hidden_size % self._HEADS or self._HEADS % self.tensor_parallel:
+            raise ValueError(f"--hidden-size must be a multiple of the tiny models' {self._HEADS} attention heads "
+                             f"and --tp must divide them (1, 2 or 4); got --hidden-size {self.hidden_size}, "
+                             f"--tp {self.tensor_parallel}")
+        if self.model == "multimodal" and self.seq_length <= 12:
+            raise ValueError(f"--seq-length must be >= 13 with --model multimodal (3 images x 4 tokens leave room for "
+                             f"text), got {self.seq_length}")
+        if self.goodput_ledger is not None and os.path.isdir(self.goodput_ledger):
+            raise ValueError(f"--goodput-ledger {self.goodput_ledger!r} is a directory; give the ledger file's path")
+        self.variability_model().check_layout(self.pipeline_size)
+        topology = Topology(self.pipeline_size, self.num_chunks)
+        schedules = {**{s: _SIM_POLICY[s] for s in self.schedules}, "megatron-1f1b": "1f1b-strict"}
+        for name in dict.fromkeys(schedules.values()):
+            try:
+                Plan.build(policy(name, self.buffer_limit), topology, self.num_microbatches)
+            except ValueError as exc:
+                raise ValueError(f"--schedules with --pp {self.pipeline_size} --chunks {self.num_chunks} "
+                                 f"--microbatches {self.num_microbatches}: {exc}") from None
 
 
 # -- what each rank runs --------------------------------------------------------------
@@ -232,13 +287,12 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     from tqdm import tqdm
 
     from ..dist.launcher import launch
-    from .emulation import SendTimeTable, shared_table_path
+    from .emulation import SendTimeTable, remove_stale_tables, shared_table_path
 
+    remove_stale_tables()
     tag = f"{os.getpid()}-{int(time.time())}"
     progress_path = os.path.join(config.out_dir, f".progress-{tag}")
     table_path = shared_table_path(tag)
-    SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
-    open(progress_path, "w").close()
     box: dict = {}
 
     def work() -> None:
@@ -250,26 +304,52 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    total = len(config.schedules) * (config.warmup + config.iterations)
-    with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
-        while thread.is_alive():
-            thread.join(0.5)
-            with open(progress_path, encoding="utf-8") as handle:
-                lines = handle.read().split()
-            done = int(lines[-3]) if len(lines) >= 3 else 0
-            if done > bar.n:
-                bar.set_postfix_str(lines[-1])
-                bar.update(done - bar.n)
-    for path in (progress_path, table_path):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+    try:  # the shared-memory table and the progress file go on any exit: error, Ctrl-C, SIGTERM
+        with _termination_as_exit():
+            SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
+            open(progress_path, "w").close()
+            thread = threading.Thread(target=work, daemon=True)
+            thread.start()
+            total = len(config.schedules) * (config.warmup + config.iterations)
+            with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
+                while thread.is_alive():
+                    thread.join(0.5)
+                    with open(progress_path, encoding="utf-8") as handle:
+                        lines = handle.read().split()
+                    done = int(lines[-3]) if len(lines) >= 3 else 0
+                    if done > bar.n:
+                        bar.set_postfix_str(lines[-1])
+                        bar.update(done - bar.n)
+    finally:
+        for path in (progress_path, table_path):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
     if "error" in box:
         raise box["error"]
     return box["results"]
+
+
+@contextlib.contextmanager
+def _termination_as_exit():
+    """SIGTERM / SIGHUP raise SystemExit(128 + signal) in the main thread while inside, so
+    ``finally`` clauses run (Ctrl-C already raises KeyboardInterrupt); elsewhere a no-op.
+    A signal someone else handles or ignores (``nohup``) is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, exit_now) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _run_in_this_process(config: BenchConfig) -> dict:

@@ -10,7 +10,10 @@ import argparse
 import json
 import os
 
+from ..checks import integer
 from .accounting import CATEGORIES, GoodputReport, goodput_report
+
+BINS = integer(1, 10_000)
 
 LABELS = {
     "startup": "startup", "checkpoint_save": "checkpoint save", "checkpoint_load": "checkpoint load",
@@ -35,13 +38,13 @@ def add_goodput_parser(sub) -> None:
     p.add_argument("ledger", metavar="LEDGER", help="the SQLite file given to --rrfp-goodput-ledger")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--png", metavar="PATH", help="draw goodput over time and the stacked badput")
-    p.add_argument("--bins", type=int, default=60, help="time slices in the chart and JSON timeline (default 60)")
+    p.add_argument("--bins", type=BINS.parse, default=60,
+                   help="time slices in the chart and JSON timeline (default 60)")
     p.set_defaults(func=run_goodput)
 
 
 def run_goodput(args: argparse.Namespace) -> int:
-    if args.bins < 1:
-        raise ValueError(f"--bins must be >= 1, got {args.bins}")
+    BINS.check("--bins", args.bins)
     report = goodput_report(args.ledger, bins=args.bins)  # LedgerError (a ValueError): one clear line
     print(format_report(report))
     if args.json:

@@ -65,8 +65,9 @@ def load_ledger(path: str) -> Ledger:
     if head != SQLITE_MAGIC:
         what = "an empty file" if not head else f"not a SQLite database (starts with {head[:16]!r})"
         raise LedgerError(f"{path}: {what}; expected a megatron-rrfp goodput ledger")
+    real = os.path.realpath(path)  # where the writer keeps its -wal file and lock
     try:
-        conn = _connect_readonly(path)
+        conn = _connect_readonly(real)
     except sqlite3.Error as exc:
         raise LedgerError(f"{path}: cannot open as SQLite ({exc})") from exc
     try:
@@ -89,7 +90,7 @@ def load_ledger(path: str) -> Ledger:
     for event in events:
         by_session.setdefault(event.session, []).append(event)
     return Ledger(path=path, schema_version=version, sessions=sessions, events=events,
-                  live=_lock_held(path + ".lock"), by_session=by_session)
+                  live=_lock_held(real + ".lock"), by_session=by_session)
 
 
 def _connect_readonly(path: str) -> sqlite3.Connection:
@@ -108,6 +109,8 @@ def _connect_readonly(path: str) -> sqlite3.Connection:
 
 
 def _lock_held(lock_path: str) -> bool:
+    """Whether a writer holds the job lock: a non-blocking shared lock, released at once
+    (a writer starting meanwhile retries its exclusive lock briefly; see writer.py)."""
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

@@ -75,7 +75,7 @@ from collections.abc import Callable, Iterable
 from typing import Optional, Union
 
 from .accounting import BREAKDOWN_FIELDS, summarize_ranks
-from .schema import Clock, LedgerWarning, system_clock
+from .schema import Clock, LedgerBusyError, LedgerWarning, system_clock
 from .writer import LedgerWriter
 
 TIMER_NAMES = {"compute_s": "rrfp-compute", "wait_s": "rrfp-bubble", "backpressure_s": "rrfp-backpressure",
@@ -230,6 +230,50 @@ class GoodputRecorder:
             warnings.warn(message, LedgerWarning, stacklevel=3)
 
 
+def open_recorder(ledger_path: Optional[str], *, rank: int, world: int, writer_rank: int = 0,
+                  exchange: Optional[Callable[[Optional[str]], list]] = None, **options) -> GoodputRecorder:
+    """A ``GoodputRecorder`` on every rank, agreed on by all of them (COLLECTIVE with a
+    ledger and world > 1: every rank must call it).
+
+    Another live job writing the ledger raises ``LedgerBusyError`` on *every* rank, before
+    training: the writer rank alone raising would leave the others waiting for it in their
+    first collective. Any other ledger problem only warns (``LedgerWarning``): the recorder
+    then writes nothing but still joins the per-iteration gathers. ``exchange``: each rank's
+    busy message (or None) -> every rank's, in rank order; default an all-gather over the
+    default process group."""
+    busy = None
+    try:
+        recorder = GoodputRecorder(ledger_path, rank=rank, world=world, writer_rank=writer_rank, **options)
+    except LedgerBusyError as exc:
+        recorder, busy = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a ledger problem must not stop training
+        warnings.warn(f"goodput ledger {ledger_path}: not recorded ({type(exc).__name__}: {exc}); training continues",
+                      LedgerWarning, stacklevel=2)
+        recorder = GoodputRecorder(ledger_path, rank=rank, world=world, writer_rank=-1,
+                                   **{k: v for k, v in options.items() if k in ("gather", "clock", "close_timeout_s")})
+    if ledger_path and world > 1:
+        everyone = (exchange or _all_gather_objects)(busy)
+        busy = busy or next((b for b in everyone if b), None)
+        if busy and recorder is not None:
+            recorder.close(timeout_s=0.0)
+    if busy:
+        if rank == writer_rank:
+            raise LedgerBusyError(busy)
+        raise LedgerBusyError(f"rank {writer_rank} cannot write --rrfp-goodput-ledger {ledger_path} (see rank "
+                              f"{writer_rank}): {busy}")
+    return recorder
+
+
+def _all_gather_objects(value) -> list:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 # -- Megatron timers -------------------------------------------------------------------
 
 def publish_to_timers(timers, report, *, log_level: int = 1) -> dict[str, float]:
@@ -285,4 +329,4 @@ def extend_timer_logging(timers, *, names: Iterable[str] = TIMER_NAMES.values(),
 
 
 __all__ = ["GoodputRecorder", "TIMER_NAMES", "all_gather_vectors", "breakdown_vector", "extend_timer_logging",
-           "publish_to_timers"]
+           "open_recorder", "publish_to_timers"]

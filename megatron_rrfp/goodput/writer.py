@@ -11,7 +11,9 @@ process, immune to clock steps), then ``put_nowait``s it on a bounded queue; a d
 thread commits batches. Any I/O error (disk full, read-only directory, locked database,
 a foreign file at the path) gives one ``LedgerWarning`` and the thread keeps the events
 in memory (bounded) and retries with back-off (1 s doubling to 60 s); a full queue drops
-events (counted, warned once). ``write`` never raises and never blocks; ``close`` waits
+events (counted, warned once) -- except ``disruption`` and ``job_end``, the events that say
+how the job ended: room is reserved for them, and if even that is taken they wait up to
+``CRITICAL_WAIT_S``. ``write`` never raises and never blocks (beyond that); ``close`` waits
 at most ``timeout_s``; the process never waits on the daemon thread at exit.
 
 Durability: ``journal_mode=WAL`` + ``synchronous=FULL``. A record is *committed* when its
@@ -22,12 +24,18 @@ WAL; a torn last transaction has no commit frame and is ignored, so the file is 
 corrupt. NORMAL would skip the fsync at commit and could lose the last transactions on a
 *node* crash or power loss -- exactly the disruption this ledger must describe (its
 last iterations are the wasted progress). FULL fsyncs the WAL once per batch, on the
-background thread, so training never pays for it.
+background thread, so training never pays for it. A file system without working WAL
+(no shared memory for the ``-shm`` index, e.g. some network file systems) gets a rollback
+journal instead (``journal_mode=DELETE``, still FULL: the same durability, readers may
+wait briefly for a commit), with one ``LedgerWarning``.
 
 One writer per job (= per ledger file): the writer holds an exclusive ``flock`` on
 ``LEDGER.lock`` for its lifetime; the kernel drops it when the process dies, however it
 dies, so a restarted job takes over at once with no stale-lock heuristics. The lock file
-names the holder (host, pid, since) for the error message. SQLite's WAL mode needs all
+names the holder (host, pid, since) for the error message. Paths are resolved first
+(symlinks), so every name of one file shares one lock. A reader's liveness probe takes a
+shared lock for microseconds; a starting writer that meets one retries for
+``lock_wait_s`` rather than mistaking it for another job. SQLite's WAL mode needs all
 openers on one host anyway (shared memory), so the file lock is as local as the ledger.
 (Schema: ``schema.py``; reading: ``reader.py``.)
 """
@@ -60,6 +68,12 @@ from .schema import (
 )
 
 _STOP = object()
+CRITICAL_KINDS = frozenset({"disruption", "job_end"})
+"""Never dropped for lack of room: how the job ended is what the report needs most."""
+CRITICAL_RESERVE = 64
+"""Queue slots only critical events may take."""
+CRITICAL_WAIT_S = 2.0
+"""How long a critical event may wait for room when even the reserve is full."""
 
 
 class LedgerWriter:
@@ -68,14 +82,16 @@ class LedgerWriter:
     def __init__(self, path: str, *, job: Optional[str] = None, info: Optional[dict] = None,
                  queue_size: int = 10_000, busy_timeout_s: float = 2.0,
                  retry_s: tuple[float, float] = (1.0, 60.0), clock: Optional[Clock] = None,
-                 since_wall: Optional[float] = None) -> None:
+                 since_wall: Optional[float] = None, lock_wait_s: float = 1.0) -> None:
         """``since_wall``: the process's own start (e.g. Megatron-LM's ``_TRAIN_START_TIME``) when
-        the writer is created late; the time before it then counts too. Default: now."""
-        self.path = os.path.abspath(path)
+        the writer is created late; the time before it then counts too. Default: now.
+        ``lock_wait_s``: how long a held job lock is retried before it counts as another job's."""
+        self.path = os.path.realpath(path)  # one file, one lock, however it is reached
         self.lock_path = self.path + ".lock"
         self._clock = clock or system_clock
-        self._busy_timeout_s, self._retry_s = busy_timeout_s, retry_s
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._busy_timeout_s, self._retry_s, self._lock_wait_s = busy_timeout_s, retry_s, lock_wait_s
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size + CRITICAL_RESERVE)
+        self._queue_size = queue_size
         self._max_pending = queue_size
         self._pid = os.getpid()
         wall, mono = self._clock()
@@ -113,10 +129,15 @@ class LedgerWriter:
             with self._progress:
                 self._enqueued += 1
             try:
-                self._queue.put_nowait(row)
+                if kind in CRITICAL_KINDS:
+                    self._queue.put(row, timeout=CRITICAL_WAIT_S)
+                elif self._queue.qsize() >= self._queue_size:  # the rest is reserved for critical events
+                    raise queue.Full
+                else:
+                    self._queue.put_nowait(row)
             except queue.Full:
                 self._count_lost(1)
-                self._warn("queue", f"goodput ledger {self.path}: {self._queue.maxsize} events waiting to be "
+                self._warn("queue", f"goodput ledger {self.path}: {self._queue_size} events waiting to be "
                                     "written; dropping new events (is the disk very slow or failing?)")
         except Exception as exc:  # a ledger problem must never become a training problem
             self._warn("write", f"goodput ledger {self.path}: event {kind!r} not recorded: {exc}")
@@ -193,8 +214,7 @@ class LedgerWriter:
                         self._count_lost(len(pending))
                         break
                     if len(pending) > self._max_pending:
-                        self._count_lost(len(pending) - self._max_pending)
-                        del pending[self._max_pending:]
+                        self._trim(pending)
                     if stopping:
                         self._count_lost(len(pending))
                         break
@@ -207,6 +227,14 @@ class LedgerWriter:
         leftover: list = []
         self._collect(leftover, block=False)
         self._count_lost(len(leftover))
+
+    def _trim(self, pending: list) -> None:
+        """Keep at most ``_max_pending`` events in memory while writes fail, dropping the
+        newest ordinary ones first; critical events are kept."""
+        extra = pending[self._max_pending:]
+        kept = [row for row in extra if row[0] in CRITICAL_KINDS]
+        self._count_lost(len(extra) - len(kept))
+        pending[self._max_pending:] = kept
 
     def _collect(self, pending: list, *, block: bool) -> bool:
         """Move queued events into ``pending``; True when the stop marker was seen."""
@@ -234,7 +262,7 @@ class LedgerWriter:
                 raise OSError(f"cannot lock {self.lock_path}")
         conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None)
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._set_journal_mode(conn)
             conn.execute("PRAGMA synchronous=FULL")  # see the module docstring
             self._ensure_schema(conn)
             if self._session_id is None:
@@ -245,6 +273,21 @@ class LedgerWriter:
             _close_quietly(conn)
             raise
         return conn
+
+    def _set_journal_mode(self, conn: sqlite3.Connection) -> None:
+        """WAL where the file system supports it, else a rollback journal (one warning)."""
+        try:
+            mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+            problem = None if mode == "wal" else f"journal_mode stayed {mode!r}"
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise  # another connection holds the database: retried like any write
+            problem = str(exc)
+        if problem is not None:
+            conn.execute("PRAGMA journal_mode=DELETE")
+            self._warn("wal", f"goodput ledger {self.path}: SQLite's WAL mode does not work on this file system "
+                              f"({problem}); using a rollback journal (journal_mode=DELETE) instead: commits are "
+                              "as durable, readers may wait briefly for a commit")
 
     def _ensure_schema(self, conn: sqlite3.Connection) -> None:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
@@ -290,7 +333,7 @@ class LedgerWriter:
                              f"continues without a ledger, retrying every <= {self._retry_s[1]:.0f} s")
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_exclusive(fd, self._lock_wait_s)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
@@ -369,6 +412,21 @@ def _close_quietly(conn: sqlite3.Connection) -> None:
         conn.close()
     except Exception:
         pass
+
+
+def _lock_exclusive(fd: int, wait_s: float) -> None:
+    """``flock(LOCK_EX)``, retried for ``wait_s``: a reader's liveness probe holds a shared
+    lock for microseconds and must not be mistaken for another writer. BlockingIOError
+    if the lock is still held after that."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _read_holder(fd: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from ..checks import TIMEOUT_S
 from ..policy.arbiter import ArbiterConfig
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -26,8 +27,7 @@ class RRFPConfig:
     """Keep per-task timestamps for traces (--rrfp-trace-dir turns it on)."""
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s (--rrfp-timeout) must be > 0 seconds, got {self.timeout_s!r}")
+        TIMEOUT_S.check("timeout_s (--rrfp-timeout, seconds)", self.timeout_s)
 
     @classmethod
     def of(cls, **options) -> RRFPConfig:

@@ -17,7 +17,7 @@ from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
-from . import compat
+from . import compat, recovery
 from .config import RRFPConfig, defaults
 from .grad_sync import GradSyncController
 from .session import session
@@ -49,6 +49,7 @@ def _check_supported(config, models) -> None:
                          "span data-parallel ranks and would need agreement across them); use the 1f1b schedule")
 
 
+@recovery.cleans_up_on_failure
 def forward_backward_rrfp(
     *,
     forward_step_func,
@@ -110,6 +111,7 @@ def forward_backward_rrfp(
 
     grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
                                    forward_only=forward_only)
+    recovery.track(config, grad_sync)  # from here on a failure leaves the runtime unusable: clean up
     grad_sync.start()
     work = MegatronStageWork(
         forward_step_func=forward_step_func, data_iterators=iterators, models=models,

@@ -3,6 +3,13 @@
 Created by the first schedule call (its group creation is collective over the world, and
 every rank reaches that call) and reused by every later one; ``shutdown()`` stops it
 before process groups are destroyed.
+
+Rebuilt, not reused, when it no longer fits (every rank sees the same thing, so every
+rank rebuilds in the same call, as the collective creation needs):
+* the default process group was destroyed and re-created (Megatron-LM's in-process
+  restart), or the pipeline / agreement ranks changed: its groups belong to the old world;
+* the previous schedule call failed (``discard()``): messages of that iteration may still
+  be on the wire or half-received, and only new groups guarantee none reaches the next.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ class Session:
                  timeout_s: float) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.key = _key(pp_ranks, agree_ranks, device)
+        self.world = dist.group.WORLD  # identity: a re-created default group is another object
         self.pp_ranks, self.device = pp_ranks, device
         # Both are collective over the world: every rank reaches here in its first call.
         self.groups = create_directed_groups(pp_ranks, timeout=timeout, ring=True)
@@ -30,8 +38,12 @@ class Session:
         self.transport = StageTransport(rank=dist.get_rank(), groups=self.groups, device=device,
                                         on_message=self.inbox.put, on_error=self.inbox.fail)
 
-    def close(self) -> None:
-        self.transport.close()
+    def close(self, timeout: float = 5.0) -> None:
+        self.transport.close(timeout)
+        self.inbox.close()
+
+    def fits(self, key: tuple) -> bool:
+        return self.key == key and dist.is_initialized() and dist.group.WORLD is self.world
 
 
 _session: Optional[Session] = None
@@ -43,13 +55,21 @@ def _key(pp_ranks, agree_ranks, device) -> tuple:
 
 def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, timeout_s: float) -> Session:
     global _session
+    if _session is not None and not _session.fits(_key(pp_ranks, agree_ranks, device)):
+        discard()  # process groups re-created or re-laid out: this one's groups are stale
     if _session is None:
         _session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s)
-    elif _session.key != _key(pp_ranks, agree_ranks, device):
-        raise RuntimeError(f"megatron_rrfp: process groups changed between iterations ({_session.key} -> "
-                           f"{_key(pp_ranks, agree_ranks, device)}); call megatron_rrfp.shutdown() before "
-                           "re-initialising model parallelism")
     return _session
+
+
+def discard(timeout: float = 0.5) -> None:
+    """Drop the runtime after a failed iteration or stale groups: its inbox and receive
+    expectations go with it, its threads are told to stop (one blocked in a receive ends
+    when its group times out or is destroyed), and the next call builds a new one."""
+    global _session
+    old, _session = _session, None
+    if old is not None:
+        old.close(timeout)
 
 
 def agreement_group():

@@ -7,29 +7,35 @@ import argparse
 import os
 from typing import Optional
 
+from ..checks import BUFFER_LIMIT, TIMEOUT_S
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
-from ..policy.budget import BufferLimitError, parse_limit
 from ..policy.hints import BUILTIN_HINTS, HintError
+from ..policy.topology import Topology
 
 PIPELINE_SCHEDULES = ("1f1b", "rrfp")
 
 
-def add_rrfp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the flags to ``parser`` (an argparse parser or Megatron-LM's). Returns it."""
+def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = True) -> argparse.ArgumentParser:
+    """Add the flags to ``parser`` (an argparse parser or Megatron-LM's). Returns it.
+
+    ``check_types``: the numeric flags reject out-of-range values (nan, inf, 0) while
+    parsing. Off for Megatron-LM's parser, whose errors print its several-hundred-flag
+    usage: there ``validate_rrfp_arguments`` rejects them right after parsing, in one line."""
+    buffer_type, timeout_type = (BUFFER_LIMIT.parse, TIMEOUT_S.parse) if check_types else (str, float)
     group = parser.add_argument_group("readiness-first pipeline schedule (megatron-rrfp)")
     group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                        help="1f1b: Megatron's own schedules (unchanged). rrfp: the readiness-first executor.")
     group.add_argument("--rrfp-hint", default=DEFAULT_HINT,
                        help=f"hint order: {', '.join(BUILTIN_HINTS)} or a JSON / CSV hint file "
                             f"(default {DEFAULT_HINT})")
-    group.add_argument("--rrfp-buffer-limit", type=parse_limit, default=DEFAULT_BUFFER_LIMIT,
+    group.add_argument("--rrfp-buffer-limit", type=buffer_type, default=DEFAULT_BUFFER_LIMIT,
                        help="activations in flight per stage before backpressure: an integer count of "
                             "(microbatch, chunk) forwards, or a multiple of what Megatron's own schedule holds "
                             f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
     group.add_argument("--rrfp-strict", action="store_true",
                        help="run the hint as a fixed order (baseline in the same runtime)")
-    group.add_argument("--rrfp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    group.add_argument("--rrfp-timeout", type=timeout_type, default=DEFAULT_TIMEOUT_S,
                        help=f"seconds without progress before a rank fails with a state dump "
                             f"(default {DEFAULT_TIMEOUT_S:g})")
     group.add_argument("--rrfp-trace-dir", default=None,
@@ -56,7 +62,26 @@ def validate_rrfp_arguments(args: argparse.Namespace) -> Optional[RRFPConfig]:
         raise ValueError("--rrfp-* flags were given but --pipeline-schedule is 1f1b; "
                          "add --pipeline-schedule rrfp (or drop the --rrfp-* flags)")
     config = rrfp_config_from_args(args)  # checks every value even for 1f1b: a typo never waits
-    return config if schedule == "rrfp" else None
+    if schedule != "rrfp":
+        return None
+    check_megatron_layout(config, args)
+    return config
+
+
+def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:
+    """What Megatron-LM's parsed flags already fix about the layout, checked before any
+    process group exists (the schedule call checks again with the live groups)."""
+    expert = getattr(args, "expert_model_parallel_size", None) or 1
+    if expert > 1:
+        raise ValueError(f"--pipeline-schedule rrfp does not support --expert-model-parallel-size {expert} yet "
+                         "(expert all-to-alls span data-parallel ranks and would need agreement across them); "
+                         "use --pipeline-schedule 1f1b with expert parallelism")
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if isinstance(pp, int) and pp >= 2:  # at PP=1 Megatron runs no pipeline schedule: the hint is unused
+        try:
+            config.arbiter.parsed_hint.orders(Topology(pp), 1)  # an explicit list must have one order per stage
+        except HintError as exc:
+            raise ValueError(f"--rrfp-hint: {exc}") from None
 
 
 def _rrfp_flags_set(args: argparse.Namespace) -> bool:
@@ -67,12 +92,8 @@ def _rrfp_flags_set(args: argparse.Namespace) -> bool:
 
 def rrfp_config_from_args(args: argparse.Namespace) -> RRFPConfig:
     """The executor options the flags ask for; ValueError naming the flag on a bad value."""
-    try:
-        parse_limit(str(args.rrfp_buffer_limit))
-    except BufferLimitError as exc:
-        raise ValueError(f"--rrfp-buffer-limit: {exc}") from None
-    if not args.rrfp_timeout > 0:
-        raise ValueError(f"--rrfp-timeout must be > 0 seconds, got {args.rrfp_timeout!r}")
+    BUFFER_LIMIT.check("--rrfp-buffer-limit", args.rrfp_buffer_limit)
+    TIMEOUT_S.check("--rrfp-timeout (seconds)", args.rrfp_timeout)
     try:
         return RRFPConfig.of(hint=args.rrfp_hint, buffer_limit=args.rrfp_buffer_limit, strict=args.rrfp_strict,
                              timeout_s=args.rrfp_timeout, record_spans=bool(getattr(args, "rrfp_trace_dir", None)))

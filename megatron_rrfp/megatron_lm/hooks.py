@@ -32,8 +32,8 @@ pid. report = the RRFP iteration that train_step ran (None when the step ran ano
 schedule, e.g. at pipeline size 1: the ledger then counts the step as productive, unsplit).
 
 Neither the ledger nor a trace can stop training: the recorder never raises after its
-constructor (which raises LedgerBusyError, before any step, when another live process
-writes the same ledger), and a failed trace write gives one ``TraceWarning`` per process.
+constructor (which raises LedgerBusyError on every rank, before any step, when another
+live process writes the same ledger), and a failed trace write gives one ``TraceWarning`` per process.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
-from ..goodput.recorder import GoodputRecorder, extend_timer_logging, publish_to_timers
+from ..goodput.recorder import extend_timer_logging, open_recorder, publish_to_timers
 from ..trace.chrome import write_chrome_trace
 from . import hookpoints
 
@@ -129,8 +129,9 @@ class _Run:
     def __init__(self, *, options: HookOptions, margs, timers, training: types.ModuleType) -> None:
         self.rank, self.world = _rank_world()
         self.timers = timers
-        self.recorder = GoodputRecorder(options.ledger_path, rank=self.rank, world=self.world,
-                                        since_wall=hookpoints.train_start_time(training))
+        # collective: another live job on this ledger fails every rank here, not rank 0 alone
+        self.recorder = open_recorder(options.ledger_path, rank=self.rank, world=self.world,
+                                      since_wall=hookpoints.train_start_time(training))
         self.traces = TraceWriter(options.trace_dir, self.rank) if options.trace_dir else None
         self.saving = False  # inside a recorded save: a nested save_checkpoint is the same save
         self.resumed = False

@@ -130,7 +130,7 @@ def _hook_arguments() -> None:
 def _add_flags(parser: argparse.ArgumentParser) -> None:
     if "--pipeline-schedule" in parser._option_string_actions:
         return  # already there: add_megatron_arguments ran twice on this parser
-    add_rrfp_arguments(parser)
+    add_rrfp_arguments(parser, check_types=False)  # _apply checks the values, in one line
     parse_known_args = parser.parse_known_args  # parse_args() goes through it too
 
     def parse_and_apply(args=None, namespace=None):

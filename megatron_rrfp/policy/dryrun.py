@@ -14,6 +14,7 @@ proving a strict order can run) and the simulator (``sim/``, sampled variability
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,6 +31,19 @@ Latency = Callable[[int, Task], float]
 
 class DeadlockError(RuntimeError):
     """The arbiters stopped with work left: nothing allowed is ready anywhere."""
+
+
+def _checked_time(value: float, what: str, stage: int, task: Task) -> float:
+    """A duration or latency the event loop can order: NaN never compares equal to the
+    clock (the loop would stop advancing) and infinity never ends."""
+    try:
+        ok = math.isfinite(value) and value >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{what} of task {task} on stage {stage} is {value!r}: durations and latencies must be "
+                         "finite and >= 0 (check the variability model: f0, sigmas, c50, factors)")
+    return value
 
 
 @dataclass(slots=True)
@@ -83,6 +97,9 @@ class _Pipeline:
     def send(self, src: int, dst: int, time: float, latency: float, payload) -> None:
         link = (src, dst)
         arrival = time if src == dst else max(time + latency, self.link_clear.get(link, 0.0))
+        if not math.isfinite(arrival):
+            raise ValueError(f"message {payload} from stage {src} to stage {dst} would arrive at {arrival!r}: "
+                             "durations and latencies must be finite and >= 0")
         self.link_clear[link] = arrival  # FIFO: a message never overtakes an earlier one on its link
         self.push(arrival, _ARRIVE, dst, payload)
 
@@ -97,7 +114,8 @@ class _Pipeline:
             self.forward_done[stage].add(key)
             nxt = self.topology.downstream(stage, task.chunk)
             if nxt is not None:
-                self.send(stage, nxt[0], time, self.latency(stage, task), ("F", task.microbatch, nxt[1]))
+                latency = _checked_time(self.latency(stage, task), "message latency", stage, task)
+                self.send(stage, nxt[0], time, latency, ("F", task.microbatch, nxt[1]))
             elif not forward_only:
                 self.grad_arrived[stage].add(key)  # the loss is its own output gradient
                 self._backward_maybe_ready(stage, key)
@@ -106,7 +124,8 @@ class _Pipeline:
                 self.ready[stage].add(Task(Kind.W, *key))
             prev = self.topology.upstream(stage, task.chunk)
             if prev is not None:
-                self.send(stage, prev[0], time, self.latency(stage, task), ("B", task.microbatch, prev[1]))
+                latency = _checked_time(self.latency(stage, task), "message latency", stage, task)
+                self.send(stage, prev[0], time, latency, ("B", task.microbatch, prev[1]))
 
     def arrive(self, stage: int, payload) -> None:
         direction, mb, chunk = payload
@@ -119,7 +138,8 @@ class _Pipeline:
 
 def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, latency: Latency = no_latency,
         name: str = "", record_trace: bool = False) -> DryRun:
-    """Run one iteration; raises ``DeadlockError`` if the arbiters stall with work left."""
+    """Run one iteration; raises ``DeadlockError`` if the arbiters stall with work left and
+    ValueError for a duration or latency that is negative, NaN or infinite."""
     pipe = _Pipeline(arbiters, topology, latency)
     pp = topology.num_stages
     busy_until: list[Optional[float]] = [None] * pp
@@ -136,7 +156,7 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
                 if task is not None:
                     pipe.ready[stage].discard(task)
                     pipe.arbiters[stage].record(task)
-                    length = duration(stage, task)
+                    length = _checked_time(duration(stage, task), "duration", stage, task)
                     busy_until[stage] = now + length
                     busy[stage] += length
                     if record_trace:

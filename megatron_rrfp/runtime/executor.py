@@ -47,11 +47,20 @@ class Inbox:
         self._cv = threading.Condition()
         self._messages: list = []
         self._error: Optional[BaseException] = None
+        self._closed = False
 
     def put(self, message) -> None:
         with self._cv:
-            self._messages.append(message)
-            self._cv.notify()
+            if not self._closed:
+                self._messages.append(message)
+                self._cv.notify()
+
+    def close(self) -> int:
+        """Drop what is waiting and refuse what still arrives (the runtime was discarded
+        after a failure); returns how many messages were dropped."""
+        with self._cv:
+            dropped, self._messages, self._closed = len(self._messages), [], True
+            return dropped
 
     def fail(self, error: BaseException) -> None:
         with self._cv:

@@ -83,13 +83,42 @@ def encode_header(kind: str, microbatch: int, chunk: int, tensor: torch.Tensor) 
     return torch.tensor(fields, dtype=torch.int64)
 
 
+MAX_MESSAGE_BYTES = 2**35
+"""32 GiB: no pipeline activation is larger; a header asking for more is corrupt."""
+
+
 def decode_header(header: torch.Tensor) -> Header:
-    f = header.tolist()
-    if len(f) != HEADER_LEN or f[0] != _MAGIC:
-        raise TransportError(f"corrupt or foreign message header {f} (expected magic {_MAGIC:#x})")
-    magic, kind, mb, chunk, code, ndim, *shape = f
-    if not (0 <= kind < len(MESSAGE_KINDS) and 0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_DIMS):
-        raise TransportError(f"invalid message header {f}")
+    return header_from_fields(header.tolist())
+
+
+def header_from_fields(fields: list[int]) -> Header:
+    """The header a peer sent, or TransportError naming what is wrong with it: magic,
+    kind, dtype code, dimension count, every dimension >= 0 (unused ones 0), the payload
+    at most MAX_MESSAGE_BYTES, microbatch and chunk >= 0 (their range is the executor's
+    check). Checked before any buffer is allocated for the payload."""
+    if len(fields) != HEADER_LEN or fields[0] != _MAGIC:
+        raise TransportError(f"corrupt or foreign message header {fields[:HEADER_LEN]} (expected {HEADER_LEN} "
+                             f"fields starting with magic {_MAGIC:#x})")
+    _, kind, mb, chunk, code, ndim, *shape = fields
+    problem = None
+    if not 0 <= kind < len(MESSAGE_KINDS):
+        problem = f"unknown message kind code {kind}"
+    elif not 0 <= code < len(_DTYPES):
+        problem = f"unknown dtype code {code}"
+    elif not 0 <= ndim <= MAX_DIMS:
+        problem = f"{ndim} dimensions (0..{MAX_DIMS} allowed)"
+    elif any(d < 0 for d in shape[:ndim]) or any(shape[ndim:]):
+        problem = f"shape {shape[:ndim]} with padding {shape[ndim:]} (dimensions must be >= 0, padding 0)"
+    elif mb < 0 or chunk < 0:
+        problem = f"microbatch {mb}, chunk {chunk} (must be >= 0)"
+    else:
+        nbytes = _DTYPES[code].itemsize
+        for d in shape[:ndim]:
+            nbytes *= d
+        if nbytes > MAX_MESSAGE_BYTES:
+            problem = f"a payload of {nbytes} bytes (shape {shape[:ndim]}), over the {MAX_MESSAGE_BYTES} byte limit"
+    if problem is not None:
+        raise TransportError(f"invalid message header {fields}: {problem}")
     return Header(MESSAGE_KINDS[kind], mb, chunk, _DTYPES[code], tuple(shape[:ndim]))
 
 

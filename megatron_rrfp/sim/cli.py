@@ -5,17 +5,27 @@ import argparse
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from .simulator import BASELINE
-from .study import DEFAULT_POLICIES
+from .study import DEFAULT_POLICIES, StudyConfig
+from .variability import Variability
+
+_VARIABILITY = Variability.BOUNDS
+_STUDY = StudyConfig.BOUNDS
+
 
 
 def add_workload_arguments(group) -> None:
-    """Workload knobs shared by `simulate` and `bench` (same names as Variability's fields)."""
-    group.add_argument("--straggler-stage", type=int, default=None, help="stage slowed by --straggler-factor")
-    group.add_argument("--straggler-factor", type=float, default=1.0)
-    group.add_argument("--seq-len-sigma", type=float, default=0.0, help="per-microbatch length spread (log-normal)")
-    group.add_argument("--images-per-sample", type=float, default=0.0, help="mean images per microbatch (Poisson)")
-    group.add_argument("--encoder-time", type=float, default=0.0, help="stage-0 encoder time per image, units of f0")
-    group.add_argument("--image-token-share", type=float, default=0.0,
+    """Workload knobs shared by `simulate` and `bench` (same names as Variability's fields;
+    the flag's type is the field's accepted range, so a bad value stops the parse)."""
+    group.add_argument("--straggler-stage", type=_VARIABILITY["straggler_stage"].parse, default=None,
+                       help="stage slowed by --straggler-factor")
+    group.add_argument("--straggler-factor", type=_VARIABILITY["straggler_factor"].parse, default=1.0)
+    group.add_argument("--seq-len-sigma", type=_VARIABILITY["seq_len_sigma"].parse, default=0.0,
+                       help="per-microbatch length spread (log-normal)")
+    group.add_argument("--images-per-sample", type=_VARIABILITY["images_per_sample"].parse, default=0.0,
+                       help="mean images per microbatch (Poisson)")
+    group.add_argument("--encoder-time", type=_VARIABILITY["encoder_time_per_image"].parse, default=0.0,
+                       help="stage-0 encoder time per image, units of f0")
+    group.add_argument("--image-token-share", type=_VARIABILITY["image_token_share"].parse, default=0.0,
                        help="average share of decoder tokens that are image tokens (work scales with images)")
 
 
@@ -29,9 +39,11 @@ def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of pipeline policies",
                        description="Compare readiness-first policies with strict 1F1B on the same "
                                    "sampled run-time variability. Times are in units of f0.")
-    p.add_argument("--pp", type=int, default=8, help="pipeline stages (default 8)")
-    p.add_argument("--microbatches", "-m", type=int, default=32, help="microbatches per iteration (default 32)")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved if > 1)")
+    p.add_argument("--pp", type=_STUDY["pipeline_size"].parse, default=8, help="pipeline stages (default 8)")
+    p.add_argument("--microbatches", "-m", type=_STUDY["num_microbatches"].parse, default=32,
+                   help="microbatches per iteration (default 32)")
+    p.add_argument("--chunks", type=_STUDY["num_chunks"].parse, default=1,
+                   help="model chunks per stage (interleaved if > 1)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma list of default, bf, bfw, 1f1b, zbh1, gpipe or hint files; '-strict' = fixed order "
                         f"(default {','.join(DEFAULT_POLICIES)})")
@@ -41,14 +53,17 @@ def add_simulate_parser(sub) -> None:
                         f"speedup-vs-memory trade-off curve (default {DEFAULT_BUFFER_LIMIT})")
     p.add_argument("--baseline", default=BASELINE,
                    help="also report each policy's per-seed speedup over this one (e.g. zbh1-strict)")
-    p.add_argument("--seeds", type=int, default=5, help="seeds to simulate (medians are reported)")
-    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--seeds", type=_STUDY["seeds"].parse, default=5, help="seeds to simulate (medians are reported)")
+    p.add_argument("--first-seed", type=_STUDY["first_seed"].parse, default=0)
     v = p.add_argument_group("variability (the paper's reference: --sigma-compute 0.3 --c50 0.1 --sigma-msg 1.5)")
     v.add_argument("--reference", action="store_true", help="use the paper's reference variability (J3)")
-    v.add_argument("--sigma-compute", type=float, default=0.0, help="log-normal sigma of F/B durations")
-    v.add_argument("--backward-ratio", type=float, default=2.0, help="B time / F time (default 2)")
-    v.add_argument("--c50", type=float, default=0.0, help="median message latency, units of f0")
-    v.add_argument("--sigma-msg", type=float, default=0.0, help="log-normal sigma of message latency")
+    v.add_argument("--sigma-compute", type=_VARIABILITY["sigma_compute"].parse, default=0.0,
+                   help="log-normal sigma of F/B durations")
+    v.add_argument("--backward-ratio", type=_VARIABILITY["backward_ratio"].parse, default=2.0,
+                   help="B time / F time (default 2)")
+    v.add_argument("--c50", type=_VARIABILITY["c50"].parse, default=0.0, help="median message latency, units of f0")
+    v.add_argument("--sigma-msg", type=_VARIABILITY["sigma_msg"].parse, default=0.0,
+                   help="log-normal sigma of message latency")
     add_workload_arguments(v)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--curve", metavar="PNG", help="with several --buffer-limit values: draw speedup vs peak "
@@ -59,17 +74,16 @@ def add_simulate_parser(sub) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from ..policy.budget import check_limit_spec
     from .curve import plot_tradeoff
-    from .study import StudyConfig, format_report, format_tradeoff, run_tradeoff, save_json, write_timeline
-    from .variability import REFERENCE_J3, Variability
+    from .study import format_report, format_tradeoff, run_tradeoff, save_json, write_timeline
+    from .variability import REFERENCE_J3
 
     limits = [int(part) if part.isdigit() else part
               for part in (p.strip() for p in str(args.buffer_limit).split(",")) if part]
     if not limits:
         raise ValueError("--buffer-limit: give an integer, a multiple such as 1x, or a comma list of them")
     for limit in limits:
-        check_limit_spec(limit)
+        _STUDY["buffer_limit"].check("--buffer-limit", limit)
 
     knobs = dict(sigma_compute=args.sigma_compute, c50=args.c50, sigma_msg=args.sigma_msg)
     if args.reference:

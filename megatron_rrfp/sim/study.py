@@ -13,11 +13,13 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from tqdm import tqdm
 
+from ..checks import BUFFER_LIMIT, Bound, check_fields, integer
 from ..policy.budget import LimitSpec, megatron_peak_in_flight, resolve_buffer_limit
+from ..policy.plan import Plan
 from ..policy.topology import Topology
 from .bounds import lower_bound
 from .simulator import BASELINE, STRICT_SUFFIX, median, policy, simulate
@@ -42,6 +44,39 @@ class StudyConfig:
     variability: Variability = field(default_factory=Variability)
     baseline: str = BASELINE
     """A second reference (e.g. zbh1-strict): speedups over it are reported too, per seed."""
+
+    BOUNDS: ClassVar[dict[str, Bound]] = {
+        "pipeline_size": integer(1, 1024), "num_microbatches": integer(1, 100_000), "num_chunks": integer(1, 64),
+        "buffer_limit": BUFFER_LIMIT, "seeds": integer(1, 100_000), "first_seed": integer(0, 2**32 - 1),
+    }
+    FLAGS: ClassVar[dict[str, str]] = {
+        "pipeline_size": "--pp", "num_microbatches": "--microbatches", "num_chunks": "--chunks",
+        "buffer_limit": "--buffer-limit", "seeds": "--seeds", "first_seed": "--first-seed",
+    }
+    MAX_TASKS = 10_000_000
+    """Stages x chunks x microbatches: more would not fit one seed's durations in memory."""
+
+    def __post_init__(self) -> None:
+        """Every value, the layout and every policy's plan, before anything is simulated."""
+        check_fields(self, self.BOUNDS, self.FLAGS)
+        tasks = self.pipeline_size * self.num_chunks * self.num_microbatches
+        if tasks > self.MAX_TASKS:
+            raise ValueError(f"--pp x --chunks x --microbatches = {tasks} tasks per stage set; at most "
+                             f"{self.MAX_TASKS} fit one seed's durations in memory")
+        if isinstance(self.policies, str) or not self.policies or not all(isinstance(p, str) and p
+                                                                          for p in self.policies):
+            raise ValueError(f"--policies must be a comma list of policy names, got {self.policies!r}")
+        self.variability.check_layout(self.pipeline_size)
+        topology = Topology(self.pipeline_size, self.num_chunks)
+        try:
+            resolve_buffer_limit(self.buffer_limit, topology, self.num_microbatches)
+        except ValueError as exc:
+            raise ValueError(f"--buffer-limit: {exc}") from None
+        for name in dict.fromkeys([BASELINE, self.baseline, *self.policies]):
+            try:
+                Plan.build(policy(name, self.buffer_limit), topology, self.num_microbatches)
+            except ValueError as exc:  # HintError: unknown name, malformed or unrunnable hint file
+                raise ValueError(f"--policies {name}: {exc}") from None
 
 
 def _is_strict(name: str) -> bool:

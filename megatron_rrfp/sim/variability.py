@@ -7,10 +7,11 @@ policies are compared on exactly the same variability. Units: everything is in u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
+from ..checks import Bound, bound, check_fields, integer
 from ..policy.actions import Kind, Task
 from ..policy.topology import Topology
 
@@ -44,16 +45,37 @@ class Variability:
     sigma_msg: float = 0.0
     """Log-normal sigma of message latency (1.5 = the paper's reference)."""
 
+    BOUNDS: ClassVar[dict[str, Bound]] = {
+        "f0": bound(0, 1e6, low_open=True),
+        "backward_ratio": bound(0, 1e3, low_open=True),
+        "sigma_compute": bound(0, 10),  # larger: exp(sigma * z) overflows to inf
+        "straggler_stage": integer(0, optional=True),
+        "straggler_factor": bound(0, 1e3, low_open=True),
+        "seq_len_sigma": bound(0, 10),
+        "images_per_sample": bound(0, 1e3),
+        "encoder_time_per_image": bound(0, 1e3),
+        "image_token_share": bound(0, 1, high_open=True),
+        "c50": bound(0, 1e6),
+        "sigma_msg": bound(0, 10),
+    }
+    """Accepted ranges: every duration drawn from them is finite (the simulator's event
+    loop cannot advance on NaN or infinite times)."""
+    FLAGS: ClassVar[dict[str, str]] = {
+        "sigma_compute": "--sigma-compute", "backward_ratio": "--backward-ratio", "c50": "--c50",
+        "sigma_msg": "--sigma-msg", "straggler_stage": "--straggler-stage", "straggler_factor": "--straggler-factor",
+        "seq_len_sigma": "--seq-len-sigma", "images_per_sample": "--images-per-sample",
+        "encoder_time_per_image": "--encoder-time", "image_token_share": "--image-token-share",
+    }
+    """The command-line flag of each field (``simulate``, ``bench``)."""
+
     def __post_init__(self) -> None:
-        for name in ("f0", "backward_ratio", "straggler_factor"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("sigma_compute", "seq_len_sigma", "images_per_sample", "encoder_time_per_image",
-                     "c50", "sigma_msg"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.image_token_share < 1:
-            raise ValueError(f"image_token_share must be in [0, 1), got {self.image_token_share}")
+        check_fields(self, self.BOUNDS, {name: f"{name} ({flag})" for name, flag in self.FLAGS.items()})
+
+    def check_layout(self, num_stages: int) -> None:
+        """The fields that depend on the pipeline: ValueError naming the flag."""
+        if self.straggler_stage is not None and not 0 <= self.straggler_stage < num_stages:
+            raise ValueError(f"--straggler-stage must be an integer in [0, {num_stages - 1}] (a stage of the "
+                             f"{num_stages}-stage pipeline), got {self.straggler_stage}")
 
 
 VARIABILITY_LEVELS = {

@@ -16,7 +16,6 @@ and ``grad_scale_func`` (the optimizer's loss scale).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -123,26 +122,14 @@ def build_recorder(cfg, dp: int, *, since_wall: float):
     warns (LedgerWarning); the recorder then still joins the per-iteration gathers."""
     import torch.distributed as dist
 
-    from ..goodput.recorder import GoodputRecorder
-    from ..goodput.schema import LedgerBusyError, LedgerWarning
+    from ..goodput.recorder import open_recorder
+    from ..goodput.schema import LedgerBusyError
 
-    path, rank, world = cfg.rrfp_goodput_ledger, dist.get_rank(), dist.get_world_size()
-    busy = None
     try:
-        recorder = GoodputRecorder(path, rank=rank, world=world, job=f"megatron-rrfp train {cfg.model}",
-                                   since_wall=since_wall)
-    except LedgerBusyError as exc:
-        recorder, busy = None, str(exc)
-    except Exception as exc:  # noqa: BLE001 - a ledger problem must not stop training
-        warnings.warn(f"goodput ledger {path}: not recorded ({type(exc).__name__}: {exc}); training continues",
-                      LedgerWarning, stacklevel=2)
-        recorder = GoodputRecorder(path, rank=rank, world=world, writer_rank=-1)  # gathers, writes nothing
-    if path and world > 1:
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, busy)
-        busy = next((b for b in everyone if b), None)
-    if busy:
-        raise ValueError(busy if rank == 0 else f"rank 0 cannot write --rrfp-goodput-ledger {path} (see rank 0)")
+        recorder = open_recorder(cfg.rrfp_goodput_ledger, rank=dist.get_rank(), world=dist.get_world_size(),
+                                 job=f"megatron-rrfp train {cfg.model}", since_wall=since_wall)
+    except LedgerBusyError as exc:  # every rank: a user error (exit 2), not a crash
+        raise ValueError(str(exc)) from None
     recorder.job_start(pp=cfg.pipeline_model_parallel_size, tp=cfg.tensor_model_parallel_size, dp=dp,
                        schedule=cfg.pipeline_schedule, model=cfg.model, train_iters=cfg.train_iters,
                        tokens_per_iteration=cfg.global_batch_size * cfg.seq_length)

@@ -8,12 +8,19 @@ Layout (Megatron-LM's tracker file name, so the directory looks familiar)::
                                              consumed samples, RNG states, layout
 
 A checkpoint loads only into the same layout (world size, TP, PP): there is no
-resharding. Files are written to a temporary name and renamed, so a crash mid-save
-leaves the previous checkpoint intact.
+resharding. Files are written to a temporary name, fsynced, renamed, and their directory
+fsynced; rank 0 moves the tracker only after every rank did so (and after fsyncing the
+checkpoint directory itself), so a crash at any point -- even of the whole node -- leaves
+the tracker on a complete checkpoint.
+
+Loading reads tensors and plain values only (``torch.load(weights_only=True)``): a file
+planted in ``--load`` cannot run code, and a truncated or foreign file is a clear error.
 """
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -51,23 +58,44 @@ def save(directory: str, *, iteration: int, consumed_samples: int, model, optimi
         "scheduler": scheduler.state_dict(),
         "rng": _rng_state(),
     }
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    dist.barrier()
+    _write_durably(path, lambda handle: torch.save(state, handle))
+    dist.barrier()  # every rank's file is on disk
     if rank == 0:
-        with open(os.path.join(directory, TRACKER + ".tmp"), "w") as handle:
-            handle.write(f"{iteration}\n")
-        os.replace(os.path.join(directory, TRACKER + ".tmp"), os.path.join(directory, TRACKER))
+        _fsync_directory(directory)  # the iteration directory's own entry
+        _write_durably(os.path.join(directory, TRACKER), lambda handle: handle.write(f"{iteration}\n".encode()))
     dist.barrier()
     return os.path.dirname(path)
 
 
+def _write_durably(path: str, write) -> None:
+    """``write(handle)`` to ``path``.tmp, fsync it, rename it to ``path``, fsync the
+    directory: after this returns the file is complete on disk under its final name."""
+    with open(path + ".tmp", "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)
+    _fsync_directory(os.path.dirname(path))
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_iteration(directory: str) -> Optional[int]:
     try:
-        with open(os.path.join(directory, TRACKER)) as handle:
-            return int(handle.read().strip())
+        with open(os.path.join(directory, TRACKER), "rb") as handle:
+            text = handle.read(64).decode("ascii", "replace").strip()
     except FileNotFoundError:
         return None
+    if not text.isdigit():
+        raise ValueError(f"--load {directory!r}: {TRACKER} holds {text!r}, not an iteration number; "
+                         "give --load-iteration N to pick a saved iteration")
+    return int(text)
 
 
 def load(directory: str, *, iteration: Optional[int], model, optimizer, scheduler, layout: dict) -> Resumed:
@@ -79,7 +107,7 @@ def load(directory: str, *, iteration: Optional[int], model, optimizer, schedule
     path = os.path.join(iteration_dir(directory, iteration), f"rank_{dist.get_rank():05d}.pt")
     if not os.path.isfile(path):
         raise ValueError(f"--load {directory!r}: {path} is missing (saved with fewer ranks, or another iteration?)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = _read(path, directory)
     if state["layout"] != layout:
         raise ValueError(f"--load {directory!r}: saved with layout {state['layout']}, this run has {layout}; "
                          "checkpoints load only into the same world size / TP / PP / model sizes")
@@ -90,12 +118,55 @@ def load(directory: str, *, iteration: Optional[int], model, optimizer, schedule
     return Resumed(iteration=state["iteration"], consumed_samples=state["consumed_samples"], path=path)
 
 
+_KEYS = ("iteration", "consumed_samples", "layout", "model", "optimizer", "scheduler", "rng")
+
+
+def _read(path: str, directory: str) -> dict:
+    """The saved state: tensors and plain values only (no code runs), or ValueError."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):  # RNG states saved before they were lists
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT):
+            raise ValueError(f"--load {directory!r}: cannot read {path}: {exc.strerror}") from None
+        raise _unreadable(path, directory, exc) from None  # e.g. EINVAL from the zip reader: cut short
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
+            ImportError, IndexError, KeyError) as exc:
+        raise _unreadable(path, directory, exc) from None
+    missing = [key for key in _KEYS if not isinstance(state, dict) or key not in state]
+
+    if missing:
+        raise ValueError(f"--load {directory!r}: {path} is not a megatron-rrfp train checkpoint (missing "
+                         f"{', '.join(missing)}); resume from another saved iteration with --load-iteration N")
+    return state
+
+
+def _unreadable(path: str, directory: str, exc: BaseException) -> ValueError:
+    return ValueError(f"--load {directory!r}: {path} cannot be loaded ({_reason(exc)}): it is truncated or corrupt, "
+                      "or was not written by megatron-rrfp train (loading reads tensors and plain values only, never "
+                      "code); resume from another saved iteration with --load-iteration N")
+
+
+def _reason(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # torch's weights-only refusal is a paragraph; the line naming what the file wanted to run is the point
+    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
+    return (detail or (lines[0] if lines else type(exc).__name__))[:300]
+
+
+def _numpy_array_globals() -> list:
+    reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]  # numpy.(_)core.multiarray._reconstruct
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _unwrap(model):
     return getattr(model, "module", model)  # megatron DDP keeps the stage in .module
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), int(position), int(has_gauss), float(cached)),
+             "torch": torch.get_rng_state()}  # plain values: loadable with weights_only
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         from megatron.core import tensor_parallel
 
@@ -106,7 +177,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         from megatron.core import tensor_parallel

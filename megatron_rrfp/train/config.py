@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
+from ..checks import Bound, bound, check_fields, integer
 from ..mcore.config import DEFAULT_TIMEOUT_S
-from ..megatron_lm.flags import add_rrfp_arguments, validate_rrfp_arguments
+from ..megatron_lm.flags import add_rrfp_arguments, rrfp_config_from_args, validate_rrfp_arguments
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 
 
@@ -92,6 +93,28 @@ class TrainConfig:
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 
 
+_SIZE = integer(1, 1 << 24)
+_OPTIONAL_SIZE = integer(1, 1 << 24, optional=True)
+BOUNDS: dict[str, Bound] = {
+    **{name: _SIZE for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                                "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                                "global_batch_size", "log_interval")},
+    **{name: _OPTIONAL_SIZE for name in ("ffn_hidden_size", "vision_num_layers", "vision_hidden_size",
+                                         "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
+                                         "max_images", "save_interval")},
+    "images_per_sample": bound(0, 1e3),
+    "train_iters": integer(1, 10**9),
+    "lr": bound(0, 1e3), "min_lr": bound(0, 1e3), "lr_warmup_iters": integer(0, 10**9),
+    "weight_decay": bound(0, 1e3), "clip_grad": bound(0, 1e9),
+    "seed": integer(0, 2**32 - 1),  # numpy's seed range
+    "load_iteration": integer(0, 10**9, optional=True),
+    "nproc": integer(1, 1024, optional=True),
+    "distributed_timeout_minutes": bound(0, 7 * 24 * 60, low_open=True),  # a week, like --rrfp-timeout
+}
+"""Accepted range of every numeric flag (the --rrfp-* ones: megatron_lm/flags.py): the
+argparse type of the flag and ``validate``'s first check."""
+FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
+
 TRAIN_HELP = {
     "rrfp_goodput_ledger": (
         "record goodput in this SQLite file: job start/end, every iteration (tokens, each rank's RRFP time "
@@ -114,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if name not in groups:
             groups[name] = parser.add_argument_group(name)
         if meta.get("action") != "store_true":
-            meta.setdefault("type", type(f.default))
+            meta["type"] = BOUNDS[f.name].parse if f.name in BOUNDS else meta.get("type", type(f.default))
             meta["help"] += f" (default {f.default})" if f.default is not None else ""
         groups[name].add_argument("--" + f.name.replace("_", "-"), default=f.default, **meta)
     add_rrfp_arguments(parser)
@@ -144,14 +167,8 @@ def to_argv(config: TrainConfig, *, skip: tuple[str, ...] = ("nproc",)) -> list[
 
 def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     """Raise ValueError naming the flag and the values; ``world_size`` adds the layout checks."""
+    check_fields(c, BOUNDS, FLAGS)
     validate_rrfp_arguments(c)
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
-                "train_iters", "log_interval", "save_interval", "nproc", "ffn_hidden_size")
-    for name in positive:
-        value = getattr(c, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     _require(c.hidden_size % c.num_attention_heads == 0,
              f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {c.num_attention_heads}")
@@ -178,8 +195,10 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "(e.g. DIR/goodput.db)")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
-    _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.recipes.multimodal") is not None,
-             "--model multimodal needs megatron_rrfp.recipes.multimodal, which this installation lacks")
+    _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.train.recipes.multimodal") is not None,
+             "--model multimodal needs megatron_rrfp.train.recipes.multimodal, which this installation lacks")
+    if c.model == "multimodal":
+        _check_multimodal(c)
     if world_size is not None:
         check_layout(c, world_size)
 
@@ -193,7 +212,35 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
     _require(c.global_batch_size % (c.micro_batch_size * dp) == 0,
              f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size x DP = "
              f"{c.micro_batch_size} x {dp}")
+    if c.pipeline_schedule == "rrfp":  # the hint checked against the real pipeline: a strict order that can
+        from ..policy.plan import Plan  # never run fails here, not after every rank waited out --rrfp-timeout
+        from ..policy.topology import Topology
+
+        microbatches = c.global_batch_size // (c.micro_batch_size * dp)
+        try:
+            Plan.build(rrfp_config_from_args(c).arbiter, Topology(pp), microbatches)
+        except ValueError as exc:
+            raise ValueError(f"--rrfp-hint {c.rrfp_hint} with --pipeline-model-parallel-size {pp} and {microbatches} "
+                             f"micro-batches per iteration: {exc}") from None
     return dp
+
+
+def _check_multimodal(c: TrainConfig) -> None:
+    """The recipe's shape rules (image, patch and token sizes against --seq-length)."""
+    import warnings
+
+    with warnings.catch_warnings():  # megatron-core's import-time notes (no TE / apex) are not this error
+        warnings.simplefilter("ignore")
+        from .builders import multimodal_spec
+
+    try:
+        spec = multimodal_spec(c)
+    except ValueError as exc:
+        raise ValueError(f"--model multimodal: {exc} (flags --image-size, --patch-size, --tokens-per-image, "
+                         "--max-images, --seq-length)") from None
+    _require(spec.vision_num_attention_heads % c.tensor_model_parallel_size == 0,
+             f"--vision-num-attention-heads {spec.vision_num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {c.tensor_model_parallel_size}")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -366,8 +366,10 @@ def _rank0_print(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rrfp.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..checks import OneLineParser
+
+    parser = OneLineParser(prog="python -m megatron_rrfp.train", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
 
@@ -377,8 +379,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return run_from_args(args)
     except (ValueError, OSError) as exc:  # user errors: one clear line, no traceback
-        print(f"megatron-rrfp train: error: {exc}", file=sys.stderr)
-        return 2
+        from ..checks import report_error
+
+        return report_error("megatron-rrfp train", exc)
 
 
 if __name__ == "__main__":

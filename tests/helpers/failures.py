@@ -97,13 +97,18 @@ def unresponsive_peer(report_path: str, mode: str, timeout_s: float = 3.0) -> st
     os._exit(0)  # the pipeline is broken: leave without tearing down process groups
 
 
-def stress(patterns: int, late_rank: int, seed: int = 0) -> dict:
+def stress(patterns: int, late_rank: int, seed: int = 0, progress_path: str | None = None,
+           timeout_s: float = 30.0) -> dict:
     """Many random delay patterns on a TPxPP layout; one TP rank gets every message late
     in every other pattern. Returns the count of completed iterations and mismatches
-    against a no-delay run of the same model and data."""
+    against a no-delay run of the same model and data, and the patterns that stalled
+    (``hangs``: no progress for ``timeout_s``; the runtime is rebuilt and the next pattern
+    runs). Rank 0 appends "done total" to ``progress_path`` after every pattern."""
     import random
 
     import torch.distributed as dist
+
+    from megatron_rrfp.runtime.executor import PipelineStallError
 
     model, _, step = _stage_and_data()
     rank = dist.get_rank()
@@ -117,21 +122,29 @@ def stress(patterns: int, late_rank: int, seed: int = 0) -> dict:
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         return losses, grads
 
-    options = RRFPConfig(timeout_s=30)
+    options = RRFPConfig(timeout_s=timeout_s)
     _, expected = run(options)
-    mismatches, orders, rounds = 0, set(), 0
+    mismatches, hangs, first_hang, orders, rounds = 0, 0, None, set(), 0
     for pattern in range(patterns):
         rng = random.Random(seed * 7919 + pattern * 31 + rank)
         scale = rng.choice([0.0005, 0.002, 0.005])
         delay_tasks(lambda task, rng=rng, scale=scale: rng.expovariate(1.0 / scale))
         delay_messages((lambda m: 0.02) if rank == late_rank and pattern % 2 == 0 else None)
-        _, grads = run(options)
-        report = last_iteration_report()
-        orders.add(report.order_string)
-        rounds += report.agree_rounds
-        if not torch.allclose(grads, expected, rtol=1e-5, atol=1e-7):
-            mismatches += 1
+        try:
+            _, grads = run(options)
+        except PipelineStallError as exc:
+            hangs += 1
+            first_hang = first_hang or f"pattern {pattern}: {exc}"
+        else:
+            report = last_iteration_report()
+            orders.add(report.order_string)
+            rounds += report.agree_rounds
+            if not torch.allclose(grads, expected, rtol=1e-5, atol=1e-7):
+                mismatches += 1
+        if progress_path and rank == 0:
+            with open(progress_path, "a", encoding="utf-8") as handle:
+                handle.write(f"{pattern + 1} {patterns}\n")
     delay_tasks(None)
     delay_messages(None)
-    return {"rank": rank, "patterns": patterns, "mismatches": mismatches, "distinct_orders": len(orders),
-            "agree_rounds": rounds}
+    return {"rank": rank, "patterns": patterns, "mismatches": mismatches, "hangs": hangs, "first_hang": first_hang,
+            "distinct_orders": len(orders), "agree_rounds": rounds}
