@@ -16,13 +16,18 @@ from ..policy.topology import Topology
 PIPELINE_SCHEDULES = ("1f1b", "rrfp")
 
 
+def _limit_text(text: str):
+    """--rrfp-buffer-limit unchecked (Megatron-LM's parser): 16 as an int, '1.5x' as text."""
+    return int(text) if text.strip().isdigit() else text.strip()
+
+
 def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = True) -> argparse.ArgumentParser:
     """Add the flags to ``parser`` (an argparse parser or Megatron-LM's). Returns it.
 
     ``check_types``: the numeric flags reject out-of-range values (nan, inf, 0) while
     parsing. Off for Megatron-LM's parser, whose errors print its several-hundred-flag
     usage: there ``validate_rrfp_arguments`` rejects them right after parsing, in one line."""
-    buffer_type, timeout_type = (BUFFER_LIMIT.parse, TIMEOUT_S.parse) if check_types else (str, float)
+    buffer_type, timeout_type = (BUFFER_LIMIT.parse, TIMEOUT_S.parse) if check_types else (_limit_text, float)
     group = parser.add_argument_group("readiness-first pipeline schedule (megatron-rrfp)")
     group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                        help="1f1b: Megatron's own schedules (unchanged). rrfp: the readiness-first executor.")
