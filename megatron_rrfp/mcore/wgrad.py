@@ -112,6 +112,7 @@ class _Pending:
     works: list = dataclasses.field(default_factory=list)
     storages: set = dataclasses.field(default_factory=set)  # (device, data_ptr) counted
     nbytes: int = 0
+    held: list = dataclasses.field(default_factory=list)  # tensors reported to the memory meter
 
 
 _active: Optional[tuple[WeightGradStore, Key]] = None  # set by deferring()
@@ -126,14 +127,16 @@ class WeightGradStore:
     key is a no-op. It bounds memory, like megatron-core's ``wgrad_deferral_limit``.
 
     ``peak_pending_bytes``: the largest ``pending_bytes()`` seen since construction.
+    ``memory``: an optional ``runtime.memory.ActivationMeter`` told what W keeps alive.
     Not thread-safe: one compute thread runs B and W (autograd's own device threads may
     run the backward itself; the active key is process-global for that reason).
     """
 
-    def __init__(self, *, max_pending: Optional[int] = None):
+    def __init__(self, *, max_pending: Optional[int] = None, memory=None):
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
         self.max_pending = max_pending
+        self.memory = memory
         self._pending: dict[Key, _Pending] = {}  # in the order B ran
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
@@ -190,6 +193,7 @@ class WeightGradStore:
         with torch.no_grad():
             for work in entry.works:
                 _run_work(work, key)
+        self._release(entry)
 
     def pending(self) -> list[Key]:
         """Keys whose W has not run, in the order their B ran."""
@@ -211,12 +215,22 @@ class WeightGradStore:
                 entry.storages.add(ident)
                 entry.nbytes += storage.nbytes()
                 self._bytes += storage.nbytes()
+                if self.memory is not None:
+                    self.memory.hold(tensor)
+                    entry.held.append(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
 
     def _drop(self, key: Key) -> None:
         entry = self._pending.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            self._release(entry)
+
+    def _release(self, entry: _Pending) -> None:
+        if self.memory is not None:
+            for tensor in entry.held:
+                self.memory.release(tensor)
+        entry.held.clear()
 
     def __repr__(self) -> str:
         return (f"WeightGradStore(pending={self.pending()}, pending_bytes={self._bytes}, "

@@ -242,7 +242,8 @@ def _announce_once() -> None:
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    policy = defaults().arbiter
+    options = defaults()
+    policy = options.arbiter
     strict = ", strict" if policy.strict else ""
     print(f"megatron-rrfp: pipeline schedule rrfp (hint={policy.parsed_hint.name}, "
-          f"buffer_limit={policy.buffer_limit}{strict})", file=sys.stdout, flush=True)
+          f"buffer_limit={options.buffer_limit}{strict})", file=sys.stdout, flush=True)

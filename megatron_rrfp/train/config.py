@@ -83,7 +83,7 @@ class TrainConfig:
     # schedule: options.add_rrfp_arguments
     pipeline_schedule: str = _shared("1f1b")
     rrfp_hint: str = _shared("bf")
-    rrfp_buffer_limit: int = _shared(32)
+    rrfp_buffer_limit: str = _shared("auto")
     rrfp_strict: bool = _shared(False)
     rrfp_timeout: float = _shared(600.0)
     rrfp_trace_dir: Optional[str] = _shared(None)
