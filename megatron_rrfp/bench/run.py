@@ -140,7 +140,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     from ..mcore.schedule import forward_backward_rrfp, last_iteration_report
     from ..mcore.session import shutdown
     from ..policy.topology import Topology
-    from ..runtime.memory import ActivationMeter
+    from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
     from .emulation import DeviceTimeEmulator, SendTimeTable
     from .hooks import count_in_flight
@@ -158,8 +158,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
                                   table=table).install()
     megatron_in_flight = count_in_flight()
-    persistent = parameters + [b for chunk in (stage if isinstance(stage, list) else [stage]) for b in chunk.buffers()]
-    megatron_meter = ActivationMeter(pipeline_device(), persistent=persistent)
+    megatron_meter = ActivationMeter(pipeline_device(),
+                                     persistent=model_tensors(stage if isinstance(stage, list) else [stage]))
     variability = config.variability_model()
     rank = dist.get_rank()
     results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}

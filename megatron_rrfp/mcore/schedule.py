@@ -12,7 +12,6 @@ the buffer limit for its layout (``16``, ``1x``, ``auto``: auto_limit.py); both 
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
@@ -24,7 +23,7 @@ from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
-from ..runtime.memory import ActivationMeter
+from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, compat
 from .config import RRFPConfig, defaults
 from .grad_sync import GradSyncController
@@ -107,7 +106,7 @@ def forward_backward_rrfp(
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
     plan = Plan.build(replace(options.arbiter, buffer_limit=limit.value), topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
-    meter = ActivationMeter(device, persistent=_model_tensors(models) if device.type == "cpu" else ())
+    meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter) if arbiter.split_backward else None
     agreement = None
     if runtime.agreement_group is not None:
@@ -153,11 +152,6 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()
-
-
-def _model_tensors(models) -> list:
-    """Parameters and buffers: what the meter must not count as activations."""
-    return list(itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in models))
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,

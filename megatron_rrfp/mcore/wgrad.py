@@ -16,11 +16,10 @@ What is deferred: the weight gradient ``grad_output^T @ input`` of every
 the installed models — in a GPT layer linear_qkv, linear_proj, linear_fc1, linear_fc2,
 and the output layer. That is the bulk of a transformer's weight-gradient FLOPs.
 
-What stays in B (computed by autograd during the backward, so it is exactly as before):
-biases (cheap, and several are added outside the linear's autograd function anyway),
-LayerNorm weights, embeddings, and any parameter of other modules. ``coverage(models)``
-lists both groups by name. A weight tied to an embedding (shared output layer) has its
-output-layer part deferred and its embedding part computed in B.
+What stays in B (computed by autograd during the backward, exactly as before): biases
+(cheap, several are added outside the linear's autograd function anyway), LayerNorm weights,
+embeddings, any parameter of other modules. ``coverage(models)`` lists both groups by name.
+A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
 Exactness: ``run(key)`` computes the same GEMM as megatron-core's unsplit backward on the
 same saved tensors and accumulates it where the unsplit backward would have (see
@@ -112,7 +111,7 @@ class _Pending:
     works: list = dataclasses.field(default_factory=list)
     storages: set = dataclasses.field(default_factory=set)  # (device, data_ptr) counted
     nbytes: int = 0
-    held: list = dataclasses.field(default_factory=list)  # tensors reported to the memory meter
+    held: list = dataclasses.field(default_factory=list)  # one tensor per counted storage
 
 
 _active: Optional[tuple[WeightGradStore, Key]] = None  # set by deferring()
@@ -215,9 +214,9 @@ class WeightGradStore:
                 entry.storages.add(ident)
                 entry.nbytes += storage.nbytes()
                 self._bytes += storage.nbytes()
+                entry.held.append(tensor)
                 if self.memory is not None:
                     self.memory.hold(tensor)
-                    entry.held.append(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
 
     def _drop(self, key: Key) -> None:
@@ -227,10 +226,8 @@ class WeightGradStore:
             self._release(entry)
 
     def _release(self, entry: _Pending) -> None:
-        if self.memory is not None:
-            for tensor in entry.held:
-                self.memory.release(tensor)
-        entry.held.clear()
+        for tensor in entry.held if self.memory is not None else ():
+            self.memory.release(tensor)
 
     def __repr__(self) -> str:
         return (f"WeightGradStore(pending={self.pending()}, pending_bytes={self._bytes}, "
@@ -312,6 +309,11 @@ class _DeferrableLinear(_MegatronLinearFunction):
     weight gradient while a ``WeightGradStore.deferring`` is active."""
 
     @staticmethod
+    def forward(ctx, input, weight, *args):
+        ctx.rrfp_weight = weight  # the Parameter: under saved_tensors_hooks, saved_tensors is a copy
+        return _MegatronLinearFunction.forward(ctx, input, weight, *args)
+
+    @staticmethod
     def backward(ctx, grad_output):
         active = _active
         if active is None or getattr(ctx, "grad_output_buffer", None) is not None:
@@ -323,7 +325,7 @@ class _DeferrableLinear(_MegatronLinearFunction):
 @_layers.custom_bwd  # same autocast state as megatron-core's backward
 def _input_grad_only(ctx, grad_output, active):
     store, key = active
-    input, weight = ctx.saved_tensors
+    input, weight = ctx.saved_tensors[0], ctx.rrfp_weight
     name = _NAMES.get(weight, "<unnamed weight>")
     if ctx.sequence_parallel:
         raise NotImplementedError(f"wgrad: {name} uses sequence parallelism; deferring its weight gradient would "

@@ -1,7 +1,7 @@
 """Peak activation memory of one schedule call on one rank, measured the same way around
 any schedule (RRFP's executor, or Megatron-core's own schedules wrapped from outside)::
 
-    meter = ActivationMeter(device, persistent=model.parameters())
+    meter = ActivationMeter(device, persistent=model_tensors([model]))
     with meter:
         forward_backward(...)
     meter.peak_bytes, meter.method
@@ -23,7 +23,10 @@ each tensor storage counted once however many holders it has:
   backward keeps for its deferred W (``mcore/wgrad.py``).
 
 Storages of ``persistent`` tensors (parameters, buffers) are never counted: they are not
-activations and outlive the iteration. Thread-safe: autograd may free saved tensors on
+activations and outlive the iteration. Not counted either, in every schedule alike: a
+stage input no autograd node saves (both schedules keep it until its backward only to
+read its gradient; a transformer stage's first norm saves it anyway), data batches, and
+outputs on their way out (Megatron deallocates them once sent). Thread-safe: autograd may free saved tensors on
 its own threads, and the executor's transport delivers on others.
 """
 from __future__ import annotations
@@ -46,6 +49,12 @@ def _storage_key(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
         return (storage.data_ptr(), nbytes) if nbytes else None
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta or wrapper tensors
         return None
+
+
+def model_tensors(modules) -> list[torch.Tensor]:
+    """Parameters and buffers of ``modules``: what the meter must not count. Through
+    ``torch.nn.Module``'s own methods (megatron-core's DDP shadows ``buffers``)."""
+    return [t for m in modules for t in (*torch.nn.Module.parameters(m), *torch.nn.Module.buffers(m))]
 
 
 class _Saved:
@@ -167,4 +176,4 @@ class ActivationMeter:
                 self.bytes -= entry[1]
 
 
-__all__ = ["CUDA_ALLOCATOR", "SAVED_TENSORS", "ActivationMeter"]
+__all__ = ["CUDA_ALLOCATOR", "SAVED_TENSORS", "ActivationMeter", "model_tensors"]

@@ -177,9 +177,9 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
         from ..policy.hints import megatron_1f1b_order
         from ..policy.limits import order_peak_in_flight
         from ..policy.topology import Topology
-        from ..runtime.memory import ActivationMeter
+        from ..runtime.memory import ActivationMeter, model_tensors
 
-        meter = ActivationMeter(device, persistent=[*model.parameters(), *model.buffers()])
+        meter = ActivationMeter(device, persistent=model_tensors([model]))
         in_flight = order_peak_in_flight(megatron_1f1b_order(
             ps.get_pipeline_model_parallel_rank(), Topology(ps.get_pipeline_model_parallel_world_size()),
             num_microbatches))
