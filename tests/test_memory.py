@@ -142,3 +142,15 @@ def test_goodput_ledger_keeps_peak_memory_across_ranks(tmp_path):
     assert "peak_activation_bytes" not in figures["breakdown_across_ranks_s"]
     text = format_report(result)
     assert "activations held, MB" in text and "5.00" in text and "forwards in flight" in text
+
+
+def test_megatron_lm_log_line_carries_peak_memory():
+    from types import SimpleNamespace
+
+    from megatron_rrfp.goodput.recorder import peak_memory_line
+
+    report = SimpleNamespace(peak_activation_bytes=12_345_678, peak_in_flight=6, buffer_limit=8)
+    assert peak_memory_line(report, 10, world=1) == (
+        "megatron-rrfp: iteration 10 | peak activation memory 12.3 MB (max over ranks) | peak forwards in flight 6"
+        " | buffer limit 8 on rank 0")
+    assert peak_memory_line(None, 10, world=1) is None  # nothing measured: no line
