@@ -105,7 +105,7 @@ def test_install_adds_the_flags_and_defaults_change_nothing(arguments, monkeypat
     original_lookup = _megatron_lookup()
     args = _parse(arguments, monkeypatch, [])
     assert (args.pipeline_schedule, args.rrfp_hint, args.rrfp_buffer_limit, args.rrfp_strict, args.rrfp_timeout,
-            args.rrfp_trace_dir, args.rrfp_goodput_ledger) == ("1f1b", "bf", "auto", False, 600.0, None, None)
+            args.rrfp_trace_dir, args.rrfp_goodput_ledger) == ("1f1b", "default", "1x", False, 600.0, None, None)
     import megatron.core.pipeline_parallel as pipeline_parallel
 
     assert not integration.routed()
@@ -130,7 +130,7 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
 
     args = _parse(arguments, monkeypatch, ["--freeze-LM", "--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "16"],
                   extra_args_provider)
-    assert args.freeze_LM and args.pipeline_schedule == "rrfp" and args.rrfp_buffer_limit == "16"
+    assert args.freeze_LM and args.pipeline_schedule == "rrfp" and args.rrfp_buffer_limit == 16
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -177,8 +177,8 @@ def test_cli_rrfp_routes_with_the_flags_options_and_1f1b_restores(arguments, mon
     assert integration.routed()
     config = configure()
     policy = config.arbiter
-    assert (policy.parsed_hint.name, str(config.buffer_limit), policy.strict, config.timeout_s) == ("bf", "16", True,
-                                                                                                   30.0)
+    assert (policy.parsed_hint.name, policy.buffer_limit, policy.strict, config.timeout_s) == ("default", 16, True,
+                                                                                               30.0)
     assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_rrfp
     assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
     _parse(arguments, monkeypatch, ["--pipeline-schedule", "1f1b"])
@@ -271,13 +271,13 @@ def test_programmatic_install_validates_and_announces_once(capsys):
         integration.install(schedule="rrfp", buffer_limit=0)
     assert not integration.routed()
     integration.install(schedule="rrfp", hint="bf", buffer_limit=16)
-    assert str(configure().buffer_limit) == "16"
+    assert configure().arbiter.buffer_limit == 16
     capsys.readouterr()
     for _ in range(3):
         integration.get_forward_backward_func(pp_size=2, vp_size=None)
     assert capsys.readouterr().out == "megatron-rrfp: pipeline schedule rrfp (hint=bf, buffer_limit=16)\n"
     integration.uninstall()
-    assert str(configure().buffer_limit) == "auto"  # defaults are back
+    assert configure().arbiter.buffer_limit == "1x"  # defaults are back
 
 
 @pytest.mark.skipif(REAL_TRAINING, reason="megatron.training is importable: the [megatron.training] tests cover it")

@@ -14,8 +14,9 @@ from megatron_rrfp.dist.launcher import launch
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world,model", [(2, "gpt"), (4, "mlp")], ids=["pp2-gpt", "pp4-mlp"])
-def test_interleaved_two_chunks_match_megatron(world, model):
-    results = launch(compare_interleaved, world_size=world, vpp=2, timeout=360,
+@pytest.mark.parametrize("world,model,chunks", [(2, "gpt", 2), (4, "mlp", 2), (4, "mlp", 4)],
+                         ids=["pp2-gpt-2chunks", "pp4-mlp-2chunks", "pp4-mlp-4chunks"])
+def test_interleaved_chunks_match_megatron(world, model, chunks):
+    results = launch(compare_interleaved, world_size=world, vpp=chunks, timeout=360,
                      kwargs={"model": model, "iterations": 2})
     _check([[r] for r in results])

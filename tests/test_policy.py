@@ -10,10 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_rrfp.policy.actions import Kind, Task, all_tasks, format_order, parse_order
+from megatron_rrfp.policy.actions import peak_in_flight as order_peak_in_flight
 from megatron_rrfp.policy.arbiter import Arbiter, ArbiterConfig
-from megatron_rrfp.policy.hints import HintError, make_hint, megatron_1f1b_order
+from megatron_rrfp.policy.budget import BufferLimitError, megatron_peak_in_flight, resolve_buffer_limit
+from megatron_rrfp.policy.hints import HintError, OrderedHint, make_hint, megatron_1f1b_order, zbh1_order
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.sim import REFERENCE_J3, Variability, lower_bound, median, policy, sample_realization, simulate
+
+
+def default_hint(topology: Topology) -> str:
+    return make_hint("default").for_layout(topology).name
 
 
 def check_dependencies(result, topology: Topology) -> None:
@@ -41,37 +47,79 @@ def check_dependencies(result, topology: Topology) -> None:
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
 
 
+def _megatron_accepts(pp: int, microbatches: int, chunks: int) -> bool:
+    """Megatron's interleaved schedule (and so the 1f1b/zbh1 hints and '1x') needs M % PP == 0 or M >= PP."""
+    return chunks == 1 or not (microbatches < pp or 0 < microbatches % pp < pp)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pp=st.integers(1, 6),
     microbatches=st.integers(1, 12),
     chunks=st.integers(1, 3),
-    limit=st.integers(1, 6),
-    hint=st.sampled_from(["bf", "bfw", "1f1b", "gpipe"]),
+    limit=st.one_of(st.integers(1, 6), st.sampled_from(["1x", "1.5x", "0.5x"])),
+    hint=st.sampled_from(["default", "bf", "bfw", "1f1b", "zbh1", "gpipe"]),
+    lookahead=st.sampled_from([1, 3, "pp", None]),
     strict=st.booleans(),
     sigma_compute=st.floats(0, 1.0),
     c50=st.floats(0, 2.0),
     sigma_msg=st.floats(0, 2.0),
     seed=st.integers(0, 2**16),
 )
-def test_every_policy_completes_respects_dependencies_and_buffer(pp, microbatches, chunks, limit, hint, strict,
-                                                                 sigma_compute, c50, sigma_msg, seed):
+def test_every_policy_completes_respects_dependencies_and_buffer(pp, microbatches, chunks, limit, hint, lookahead,
+                                                                 strict, sigma_compute, c50, sigma_msg, seed):
+    """No deadlock for any limit >= 1 (banker's admission, arbiter.py), every task once, in
+    dependency order, and in_flight <= max(limit, C) (a microbatch may hold its C chunks)."""
     topology = Topology(pp, chunks)
     realization = sample_realization(
         Variability(sigma_compute=sigma_compute, c50=c50, sigma_msg=sigma_msg), topology, microbatches, seed)
-    config = ArbiterConfig(hint=hint, buffer_limit=limit, strict=strict)
-    if hint == "1f1b" and chunks > 1 and (microbatches < pp or 0 < microbatches % pp < pp):
-        with pytest.raises(HintError, match="interleaved 1f1b hint needs"):
+    ordered = hint in ("1f1b", "zbh1") or (hint == "default" and chunks > 1)
+    spec = OrderedHint(hint if hint != "default" else "1f1b", lookahead=lookahead) if ordered else hint
+    config = ArbiterConfig(hint=spec, buffer_limit=limit, strict=strict)
+    if not _megatron_accepts(pp, microbatches, chunks) and (ordered or isinstance(limit, str)):
+        with pytest.raises((HintError, BufferLimitError), match="interleaved 1f1b hint needs"):
             simulate(config, topology, microbatches, realization)
         return
     result = simulate(config, topology, microbatches, realization, record_trace=True)  # raises on deadlock
-    split = hint == "bfw"
+    split = hint in ("bfw", "zbh1")
     expected = set(all_tasks(microbatches, chunks, split_backward=split))
     for order in result.orders:
         assert len(order) == len(expected) and set(order) == expected  # each task exactly once
     check_dependencies(result, topology)
     if not strict:
-        assert max(result.peak_in_flight) <= limit + (chunks - 1)
+        resolved = resolve_buffer_limit(limit, topology, microbatches)
+        assert max(result.peak_in_flight) <= max(resolved, chunks)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pp=st.integers(1, 6),
+    microbatches=st.integers(1, 10),
+    chunks=st.integers(1, 3),
+    sigma_compute=st.floats(0, 1.0),
+    c50=st.floats(0, 1.0),
+    sigma_msg=st.floats(0, 2.0),
+    straggler=st.booleans(),
+    images=st.sampled_from([0.0, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_lower_bound_never_exceeds_any_makespan(pp, microbatches, chunks, sigma_compute, c50, sigma_msg, straggler,
+                                                images, seed):
+    topology = Topology(pp, chunks)
+    variability = Variability(sigma_compute=sigma_compute, c50=c50, sigma_msg=sigma_msg,
+                              straggler_stage=pp - 1 if straggler else None, straggler_factor=2.0 if straggler else 1.0,
+                              images_per_sample=images, encoder_time_per_image=0.5 if images else 0.0)
+    realization = sample_realization(variability, topology, microbatches, seed)
+    specs = ["bf", "bfw", "gpipe", "bf-strict", "gpipe-strict"]
+    if _megatron_accepts(pp, microbatches, chunks):
+        specs += ["1f1b", "zbh1", "1f1b-strict", "zbh1-strict", "default"]
+    for spec in specs:
+        for limit in (1, 10**6):  # the tightest memory and none
+            config = policy(spec, limit)
+            result = simulate(config, topology, microbatches, realization)
+            split = config.parsed_hint.for_layout(topology).split_backward
+            bound = lower_bound(realization, topology, microbatches, split_backward=split)
+            assert bound <= result.makespan * (1 + 1e-9), (spec, limit, bound, result.makespan)
 
 
 def test_zero_jitter_bf_and_strict_1f1b_hit_the_closed_form():
@@ -91,19 +139,22 @@ def test_bf_last_stage_is_exactly_1f1b():
 
 
 def test_reference_scenario_speedup_and_lower_bound():
-    """PP=8, M=32, sigma_c=0.3, c50=0.1 f0, sigma_m=1.5, median of 5 seeds (the paper's reference)."""
+    """PP=8, M=32, sigma_c=0.3, c50=0.1 f0, sigma_m=1.5, median of 5 seeds (the paper's reference),
+    at the paper's memory (limit 32) and at Megatron's (1x = 8 in flight)."""
     topology, m = Topology(8), 32
-    base, bf, bfw, bounds = [], [], [], []
+    base, bf, bfw, bfw_1x, bounds = [], [], [], [], []
     for seed in range(5):
         realization = sample_realization(Variability(**REFERENCE_J3), topology, m, seed)
         base.append(simulate(policy("1f1b-strict"), topology, m, realization).makespan)
-        bf.append(simulate(policy("bf"), topology, m, realization).makespan)
-        bfw.append(simulate(policy("bfw"), topology, m, realization).makespan)
+        bf.append(simulate(policy("bf", 32), topology, m, realization).makespan)
+        bfw.append(simulate(policy("bfw", 32), topology, m, realization).makespan)
+        bfw_1x.append(simulate(policy("bfw", "1x"), topology, m, realization).makespan)
         bounds.append(lower_bound(realization, topology, m))
     speedup = median([b / r for b, r in zip(base, bf)])
     assert speedup >= 1.25, speedup
     assert median([r / lb for r, lb in zip(bf, bounds)]) <= 1.25
     assert median(bfw) < median(bf)
+    assert median([b / r for b, r in zip(base, bfw_1x)]) >= 1.20  # issue 10: a win at 1F1B's memory
 
 
 def test_same_inputs_same_decisions():
@@ -200,7 +251,6 @@ def test_policy_modules_import_without_torch_distributed():
 def test_strict_list_that_cannot_complete_is_refused_when_planned():
     # stage 1 waits for F1 first, but stage 0 only produces it after B0, which needs stage 1's B0
     orders = [parse_order("0F0,0B0,0F1,0B1"), parse_order("0F1,0F0,0B0,0B1")]
-    from megatron_rrfp.policy.hints import OrderedHint
     from megatron_rrfp.policy.plan import Plan
 
     config = ArbiterConfig(hint=OrderedHint("cyclic", orders), strict=True)
@@ -247,3 +297,151 @@ def test_pipelining_csv_with_split_backward_and_errors(tmp_path):
     mixed.write_text("0F0,0B0,0I1\n1F0\n")
     with pytest.raises(HintError, match="mixes full backwards"):
         make_hint(str(mixed))
+
+
+# -- memory budget, ZB-H1, defaults (issues 10 and 14) ------------------------------------
+
+def test_buffer_limit_in_multiples_of_megatrons_peak():
+    assert megatron_peak_in_flight(Topology(8), 32) == 8  # min(PP, M)
+    assert megatron_peak_in_flight(Topology(8), 5) == 5
+    assert megatron_peak_in_flight(Topology(8, 2), 32) == 2 * 7 + 8 + 1  # warm-up 2(PP-1) + (C-1)PP, + 1
+    assert megatron_peak_in_flight(Topology(16, 4), 64) == 2 * 15 + 3 * 16 + 1
+    topology = Topology(8, 2)
+    assert resolve_buffer_limit("1x", topology, 32) == 23
+    assert resolve_buffer_limit("1.5x", topology, 32) == 34  # floor(34.5): a budget is never exceeded
+    assert resolve_buffer_limit("4x", topology, 32) == 64  # capped at M * C
+    assert resolve_buffer_limit(12, topology, 32) == resolve_buffer_limit("12", topology, 32) == 12
+    assert resolve_buffer_limit("0.01x", topology, 32) == 1
+    assert resolve_buffer_limit("auto", topology, 32, auto=lambda topo, m, one_x: 2 * one_x) == 46
+    with pytest.raises(BufferLimitError, match="measured from free memory at run time"):
+        resolve_buffer_limit("auto", topology, 32)
+    for bad in (0, "0", "x", "-1x", "1.5", True, 2.5):
+        with pytest.raises(BufferLimitError):
+            resolve_buffer_limit(bad, topology, 32)
+    with pytest.raises(ValueError, match="buffer_limit"):
+        ArbiterConfig(buffer_limit="two")
+    with pytest.raises(BufferLimitError, match="Megatron's schedule runs"):
+        resolve_buffer_limit("1x", Topology(4, 2), 6)
+
+
+@pytest.mark.parametrize("pp,chunks,m", [(4, 1, 8), (8, 1, 32), (8, 1, 5), (4, 2, 8), (8, 4, 32), (2, 3, 2)])
+def test_zbh1_is_1f1b_with_split_backward_and_deferred_weight_gradients(pp, chunks, m):
+    topology = Topology(pp, chunks)
+    one_x = megatron_peak_in_flight(topology, m)
+    for stage in range(pp):
+        order = zbh1_order(stage, topology, m)
+        assert set(order) == set(all_tasks(m, chunks, split_backward=True)) and len(order) == len(set(order))
+        assert [t for t in order if t.kind is not Kind.W] == megatron_1f1b_order(stage, topology, m)
+        assert all(order.index(Task(Kind.B, t.microbatch, t.chunk)) < order.index(t) for t in order if t.kind is Kind.W)
+        # the paper's ZB-H1: every stage holds (F - W) what 1F1B's fullest stage holds, not more
+        assert order_peak_in_flight(order) == one_x
+    if chunks == 1 and m >= pp:  # the last stage defers PP - 1 weight gradients into the drain
+        last = zbh1_order(pp - 1, topology, m)
+        assert [t.kind.value for t in last[-pp:]] == ["W"] * pp
+    assert make_hint("zbh1").split_backward
+
+
+def test_zbh1_strict_beats_1f1b_strict_without_jitter():
+    """(p-1)(F+B-W) bubble instead of (p-1)(F+B+W) with F = B = W = 1: 96 + 7 vs 117."""
+    topology, m = Topology(8), 32
+    realization = sample_realization(Variability(), topology, m, seed=0)
+    assert simulate(policy("1f1b-strict"), topology, m, realization).makespan == pytest.approx(117.0)
+    assert simulate(policy("zbh1-strict"), topology, m, realization).makespan == pytest.approx(103.0)
+
+
+def test_default_hint_per_layout():
+    assert default_hint(Topology(8)) == "bf"
+    assert default_hint(Topology(8, 2)) == "1f1b"
+    assert Arbiter(ArbiterConfig(), stage=0, topology=Topology(4, 2), num_microbatches=8).hint.name == "1f1b"
+    assert Arbiter(ArbiterConfig(), stage=0, topology=Topology(4), num_microbatches=8).hint.name == "bf"
+    assert Arbiter(ArbiterConfig(), stage=0, topology=Topology(4, 2), num_microbatches=8).buffer_limit == 11
+
+
+def test_bankers_admission_keeps_room_for_older_microbatches():
+    """PP=2, C=2, limit 3, chunk 0 of mb 0 and mb 1 in flight: T_0 = 2 + 1 (mb 0's missing
+    chunk) = 3 = limit, so only mb 0 may go on — mb 1's chunk 1 or a new mb 2 would leave mb 0
+    without room. The paper's rule would have let mb 1 run and reached 4 in flight."""
+    arbiter = Arbiter(ArbiterConfig(hint="bf", buffer_limit=3), stage=0, topology=Topology(2, 2), num_microbatches=4)
+    arbiter.record(Task(Kind.F, 0, 0))
+    arbiter.record(Task(Kind.F, 1, 0))
+    assert arbiter.admission_frontier() == 0
+    assert arbiter.choose({Task(Kind.F, 2, 0), Task(Kind.F, 1, 1)}) is None
+    assert arbiter.choose({Task(Kind.F, 2, 0), Task(Kind.F, 1, 1), Task(Kind.F, 0, 1)}) == Task(Kind.F, 0, 1)
+    arbiter.record(Task(Kind.F, 0, 1))
+    assert arbiter.choose({Task(Kind.F, 2, 0)}) is None and arbiter.at_limit
+    arbiter.record(Task(Kind.B, 0, 1))
+    arbiter.record(Task(Kind.B, 0, 0))  # mb 0 finished: its room is free again
+    assert arbiter.oldest_unfinished == 1 and arbiter.in_flight == 1
+    assert arbiter.choose({Task(Kind.F, 2, 0)}) == Task(Kind.F, 2, 0)
+
+
+def test_ordered_hint_runs_ahead_only_within_its_lookahead():
+    topology = Topology(4)
+    assert megatron_1f1b_order(0, topology, 8)[:4] == [Task(Kind.F, i) for i in range(4)]
+
+    def arbiter(lookahead, limit="1x"):
+        return Arbiter(ArbiterConfig(hint=OrderedHint("1f1b", lookahead=lookahead), buffer_limit=limit), stage=0,
+                       topology=topology, num_microbatches=8)
+
+    assert arbiter(2).choose({Task(Kind.F, 1)}) == Task(Kind.F, 1)  # 2nd entry: inside the window
+    assert arbiter(2).choose({Task(Kind.F, 3)}) is None  # 4th entry: outside, and mb 3 is not the oldest
+    assert arbiter(2).choose({Task(Kind.F, 3), Task(Kind.F, 0)}) == Task(Kind.F, 0)
+    assert arbiter(None).choose({Task(Kind.F, 3)}) == Task(Kind.F, 3)  # the paper's rule: anywhere
+    assert arbiter(2).lookahead == 2 and arbiter("pp").lookahead == 4  # default: one entry per stage
+    assert arbiter(2, limit=8).lookahead == 2 + 2 * (8 - 4)  # 2 entries per slot above Megatron's 4
+    with pytest.raises(HintError, match="lookahead"):
+        OrderedHint("1f1b", lookahead=0)
+
+
+def _no_jitter_grid():
+    for pp in (2, 4, 8, 16):
+        for chunks in (1, 2, 3, 4):
+            for m in (pp, 2 * pp, 4 * pp, 8 * pp):
+                yield pp, chunks, m
+
+
+def test_defaults_never_lose_to_their_strict_hint_without_jitter():
+    """Issue 14: with no run-time variability the readiness-first default (at 1x memory) is
+    never more than 1% slower than the strict schedule it reads as a hint (Megatron's 1F1B,
+    interleaved or not), and it never holds more than Megatron's own peak in flight."""
+    slow, over = [], []
+    for pp, chunks, m in _no_jitter_grid():
+        topology = Topology(pp, chunks)
+        realization = sample_realization(Variability(), topology, m, seed=0)
+        hint = default_hint(topology)
+        strict = simulate(policy(f"{hint}-strict"), topology, m, realization).makespan
+        megatron = strict if hint == "1f1b" else simulate(policy("1f1b-strict"), topology, m, realization).makespan
+        result = simulate(policy("default", "1x"), topology, m, realization)
+        if result.makespan > 1.01 * min(strict, megatron):
+            slow.append((pp, chunks, m, round(strict / result.makespan, 4)))
+        if max(result.peak_in_flight) > megatron_peak_in_flight(topology, m):
+            over.append((pp, chunks, m, max(result.peak_in_flight)))
+    assert not slow, f"default slower than its strict hint (PP, C, M, speedup): {slow}"
+    assert not over, f"default above Megatron's peak in flight (PP, C, M, peak): {over}"
+
+
+def test_interleaved_default_beats_megatron_at_its_memory_under_jitter():
+    """Issue 14 at PP=8, C=2, M=32, reference jitter, 1x: was 0.75x (bf, limit 32)."""
+    topology, m = Topology(8, 2), 32
+    speedups, w_speedups = [], []
+    for seed in range(5):
+        realization = sample_realization(Variability(**REFERENCE_J3), topology, m, seed)
+        base = simulate(policy("1f1b-strict"), topology, m, realization).makespan
+        speedups.append(base / simulate(policy("default", "1x"), topology, m, realization).makespan)
+        w_speedups.append(base / simulate(policy("zbh1", "1x"), topology, m, realization).makespan)
+    assert median(speedups) >= 1.05 and median(w_speedups) >= 1.2, (speedups, w_speedups)
+
+
+def test_tradeoff_curve_json_and_png(tmp_path):
+    from megatron_rrfp.cli import main
+
+    out = tmp_path / "curve.json"
+    assert main(["simulate", "--pp", "4", "-m", "8", "--seeds", "2", "--reference", "--policies",
+                 "1f1b-strict,bf,zbh1", "--buffer-limit", "1x,2x,5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["megatron_peak_in_flight"] == 4
+    assert [p["buffer_limit"] for p in report["curve"]["bf"]] == [4, 8, 5]
+    assert len(report["curve"]["1f1b-strict"]) == 1  # a fixed order has one memory
+    assert all(p["peak_in_flight"] <= p["buffer_limit"] for p in report["curve"]["zbh1"])
+    assert (tmp_path / "curve-curve.png").stat().st_size > 0
+    assert main(["simulate", "--buffer-limit", "1x,auto"]) == 2  # 'auto' needs the runtime's measure

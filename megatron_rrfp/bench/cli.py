@@ -4,16 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..policy.limits import DEFAULT_RUNTIME_LIMIT, BufferLimit
+from ..megatron_lm.flags import limit_type
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..sim.cli import add_workload_arguments, workload_from_args
-
-
-def buffer_limit_arg(text: str) -> str:
-    """argparse type of --buffer-limit: checked now, kept as written."""
-    try:
-        return str(BufferLimit.parse(text, option="--buffer-limit"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_bench_parsers(sub) -> None:
@@ -43,10 +36,10 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--iterations", type=int, default=5, help="measured iterations (after warm-up)")
         p.add_argument("--warmup", type=int, default=1)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--buffer-limit", type=buffer_limit_arg, default=DEFAULT_RUNTIME_LIMIT,
-                       help="RRFP's forwards in flight per stage: an integer, a multiple of Megatron's own (1x, "
-                            "1.5x, 2x) or auto (from 1x, grown into measured free memory; default "
-                            f"{DEFAULT_RUNTIME_LIMIT})")
+        p.add_argument("--buffer-limit", type=limit_type, default=DEFAULT_BUFFER_LIMIT,
+                       help="RRFP's activations in flight per stage: an integer, a multiple of Megatron's "
+                            f"('1x', '1.5x') or 'auto' (grown into measured free memory); default "
+                            f"{DEFAULT_BUFFER_LIMIT}")
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
         p.add_argument("--goodput-ledger", metavar="DB", default=None,

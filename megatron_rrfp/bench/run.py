@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from ..policy.limits import DEFAULT_RUNTIME_LIMIT, BufferLimit
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..policy.budget import LimitSpec, check_limit_spec
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 
@@ -64,8 +65,8 @@ class BenchConfig:
     iterations: int = 5
     warmup: int = 1
     seed: int = 0
-    buffer_limit: str = DEFAULT_RUNTIME_LIMIT
-    """RRFP's buffer limit: an integer, a multiple of Megatron's in-flight memory (1x, 1.5x) or auto."""
+    buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT
+    """RRFP's limit: an int, a multiple of Megatron's peak in flight ("1x") or "auto"."""
     out_dir: str = "rrfp-out/bench"
     goodput_ledger: Optional[str] = None
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
@@ -78,7 +79,10 @@ class BenchConfig:
 
     def validate(self) -> None:
         self.variability_model()
-        BufferLimit.parse(self.buffer_limit, option="--buffer-limit")
+        try:
+            check_limit_spec(self.buffer_limit)
+        except ValueError as exc:
+            raise ValueError(f"--buffer-limit: {exc}") from None
         unknown = [s for s in self.schedules if s not in BENCH_SCHEDULES]
         if unknown:
             raise ValueError(f"--schedules: unknown {unknown}; available: {', '.join(BENCH_SCHEDULES)}")
@@ -357,7 +361,7 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
             "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},
             "activation_memory_vs_megatron_1f1b": max(peak_bytes) / megatron_peak if megatron_peak else None,
             "buffer_limit": None if schedule in ("megatron-1f1b", "rrfp-strict") else
-            {"spec": str(BufferLimit.parse(config.buffer_limit)), "per_stage": stage_limits[schedule]},
+            {"spec": str(config.buffer_limit), "per_stage": stage_limits[schedule]},
         })
     return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
             "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}

@@ -1,7 +1,7 @@
-"""The buffer limit of one schedule call: the stated limit resolved for its layout.
+"""``--rrfp-buffer-limit auto``: the largest limit that fits the memory free on each stage.
 
-An integer or a multiple (``1x``) resolves at once (policy/limits.py). ``auto`` needs a
-measurement, so it runs in two steps per (layout, hint, microbatch count):
+An integer or a multiple (``1x``) needs no measurement: the arbiter resolves it for its
+layout (policy/budget.py). ``auto`` runs in two steps per (model, layout, hint, M):
 
 1. calibration: the first training call runs at ``1x`` — Megatron's own memory, which the
    user's configuration is sized for — and measures this stage's peak activation bytes
@@ -10,25 +10,27 @@ measurement, so it runs in two steps per (layout, hint, microbatch count):
    optimizer state allocated by the first step included (CUDA: free device memory plus
    what torch's caching allocator holds unused; CPU: available RAM shared by the ranks of
    this host), capped by ``RRFPConfig.activation_budget_bytes`` when given — and takes the
-   largest limit that fits ``AUTO_MARGIN`` of it, at least 1x, at most M x C. The ranks of
-   a tensor-parallel group (which must run identical orders) agree on their minimum;
-   every stage learns the others' limits and global rank 0 prints them once.
+   largest limit that fits ``AUTO_MARGIN`` of it, at least 1x, at most M x C
+   (``budget.fit_to_budget``). The ranks of a tensor-parallel group (which must run
+   identical orders) agree on their minimum; every stage learns the others' limits and
+   global rank 0 prints them once.
 
 Every rank of a pipeline calls the schedule the same number of times, so the collectives
-of step 2 happen in the same call everywhere. Forward-only calls (evaluation) hold no
-activations for backward: they neither calibrate nor resolve.
+of step 2 happen in the same call everywhere. Forward-only calls (evaluation) and strict
+runs (a fixed order: the limit does not apply) neither calibrate nor resolve.
 """
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..policy.limits import AUTO_MARGIN, BufferLimit, megatron_peak_in_flight
+from ..policy.arbiter import ArbiterConfig
+from ..policy.budget import AUTO_MARGIN, fit_to_budget, megatron_peak_in_flight
 from ..policy.topology import Topology
 from .config import RRFPConfig
 
@@ -42,10 +44,9 @@ class _Auto:
 
 @dataclass(slots=True)
 class CallLimit:
-    """The limit one schedule call runs with; ``record`` the call's measurement after it."""
+    """The policy one schedule call runs with; ``record`` the call's measurement after it."""
 
-    value: int
-    spec: BufferLimit
+    arbiter: ArbiterConfig
     calibrating: bool = False
     state: Optional[_Auto] = field(default=None, repr=False)
 
@@ -58,39 +59,39 @@ _states: dict[tuple, _Auto] = {}
 _ranks_on_host: list[int] = []  # cached: [count]
 
 
+def is_auto(spec) -> bool:
+    return isinstance(spec, str) and spec.strip().lower() == "auto"
+
+
 def call_limit(options: RRFPConfig, *, models: list, topology: Topology, num_microbatches: int, stage: int,
-               group_size: Optional[int], forward_only: bool, device: torch.device, pp_group,
-               agreement_group) -> CallLimit:
-    """The arbiter's integer limit for this call (and, for ``auto``, its calibration state)."""
-    spec = options.buffer_limit
-    try:
-        if not spec.auto:
-            return CallLimit(spec.resolve(topology, num_microbatches, group_size=group_size), spec)
-        one_x = BufferLimit(multiple=1.0).resolve(topology, num_microbatches, group_size=group_size)
-    except ValueError as exc:
-        raise ValueError(f"megatron_rrfp: buffer limit {spec} (buffer_limit= / --rrfp-buffer-limit) on PP="
-                         f"{topology.num_stages}, chunks={topology.num_chunks}, M={num_microbatches}: {exc}") from None
-    if forward_only or options.arbiter.strict:  # the limit does not apply
-        return CallLimit(one_x, spec)
-    key = (tuple(map(id, models)), options.arbiter.parsed_hint, options.activation_budget_bytes, topology,
-           num_microbatches, group_size)
+               forward_only: bool, device: torch.device, pp_group, agreement_group) -> CallLimit:
+    """This call's ``ArbiterConfig``: ``options.arbiter`` itself unless its limit is ``auto``,
+    which becomes ``1x`` (calibration, or where the limit does not apply) or the measured int."""
+    policy = options.arbiter
+    if not is_auto(policy.buffer_limit):
+        return CallLimit(policy)
+    at_one_x = replace(policy, buffer_limit="1x")
+    if forward_only or policy.strict:
+        return CallLimit(at_one_x)
+    key = (tuple(map(id, models)), policy.parsed_hint, options.activation_budget_bytes, topology, num_microbatches)
     state = _states.setdefault(key, _Auto())
     if state.bytes_per_forward is None:
-        return CallLimit(one_x, spec, calibrating=True, state=state)
+        return CallLimit(at_one_x, calibrating=True, state=state)
     if state.limits is None:
         _resolve(state, options, topology=topology, num_microbatches=num_microbatches, stage=stage,
-                 group_size=group_size, device=device, pp_group=pp_group, agreement_group=agreement_group)
-    return CallLimit(state.limits[stage], spec)
+                 device=device, pp_group=pp_group, agreement_group=agreement_group)
+    return CallLimit(replace(policy, buffer_limit=state.limits[stage]))
 
 
 def _resolve(state: _Auto, options: RRFPConfig, *, topology: Topology, num_microbatches: int, stage: int,
-             group_size: Optional[int], device: torch.device, pp_group, agreement_group) -> None:
+             device: torch.device, pp_group, agreement_group) -> None:
     budget = free_memory_bytes(device)
     if options.activation_budget_bytes is not None:
         budget = min(budget, options.activation_budget_bytes)
     state.budget_bytes = budget
-    limit = options.buffer_limit.resolve(topology, num_microbatches, group_size=group_size,
-                                         bytes_per_forward=state.bytes_per_forward, budget_bytes=budget)
+    one_x = megatron_peak_in_flight(topology, num_microbatches)
+    limit = fit_to_budget(one_x, num_microbatches * topology.num_chunks,
+                          bytes_per_forward=state.bytes_per_forward, budget_bytes=budget)
     mine = torch.tensor([limit], dtype=torch.int64)
     if agreement_group is not None:  # gloo: TP ranks must run identical arbiters
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=agreement_group)
@@ -98,7 +99,6 @@ def _resolve(state: _Auto, options: RRFPConfig, *, topology: Topology, num_micro
     dist.all_gather(everyone, mine.to(device), group=pp_group)
     state.limits = [int(t.item()) for t in everyone]
     if dist.get_rank() == 0:
-        one_x = megatron_peak_in_flight(topology, num_microbatches, group_size=group_size)
         print(f"megatron-rrfp: buffer limit auto ({options.arbiter.parsed_hint.name}, PP={topology.num_stages}"
               + (f", chunks={topology.num_chunks}" if topology.interleaved else "") + f", M={num_microbatches}): "
               f"per stage {state.limits} (1x = {one_x} forwards in flight); stage {stage} measured "
@@ -140,4 +140,4 @@ def reset() -> None:
     _states.clear()
 
 
-__all__ = ["CallLimit", "call_limit", "free_memory_bytes", "reset"]
+__all__ = ["CallLimit", "call_limit", "free_memory_bytes", "is_auto", "reset"]

@@ -1,12 +1,9 @@
 """Options of the readiness-first schedule: one nested config, parsed and checked once.
 
-``RRFPConfig`` holds the policy's ``ArbiterConfig`` (hint, strict) beside the runtime's own
-options; the hint and the buffer limit are parsed when the config is built, so a bad value
-fails at start-up, and every schedule call reuses them. The buffer limit is kept as stated
-(``16``, ``1x``, ``auto``: policy/limits.py); each schedule call resolves it for its layout
-into the integer ``ArbiterConfig.buffer_limit`` the arbiter uses (mcore/auto_limit.py).
-``configure()`` sets the process-wide defaults (the Megatron-LM integration does this from
-the --rrfp-* flags).
+``RRFPConfig`` holds the policy's ``ArbiterConfig`` (hint, buffer limit, strict) beside the
+runtime's own options; the hint is parsed when the config is built, so a bad name or file
+fails at start-up, and every schedule call reuses the parsed hint. ``configure()`` sets the
+process-wide defaults (the Megatron-LM integration does this from the --rrfp-* flags).
 """
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from ..policy.arbiter import ArbiterConfig
-from ..policy.limits import DEFAULT_RUNTIME_LIMIT, BufferLimit, LimitSpec
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -24,19 +20,16 @@ class RRFPConfig:
     """Options of the readiness-first schedule (Megatron-LM flags in parentheses)."""
 
     arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
-    """The policy: hint (--rrfp-hint), strict (--rrfp-strict); its buffer_limit is set per call."""
-    buffer_limit: LimitSpec = DEFAULT_RUNTIME_LIMIT
-    """--rrfp-buffer-limit: an integer, a multiple of Megatron's in-flight memory (1x, 1.5x) or
-    auto; a ``BufferLimit`` after init."""
-    activation_budget_bytes: Optional[int] = None
-    """auto only: bytes each stage may fill with activations (default: what its device has free)."""
+    """The policy: hint (--rrfp-hint), buffer limit (--rrfp-buffer-limit), strict (--rrfp-strict)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """A rank with no progress for this long raises with a state dump (--rrfp-timeout)."""
     record_spans: bool = False
     """Keep per-task timestamps for traces (--rrfp-trace-dir turns it on)."""
+    activation_budget_bytes: Optional[int] = None
+    """buffer_limit "auto" only: bytes each stage may fill with activations (default: what its
+    device has free; mcore/auto_limit.py)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "buffer_limit", BufferLimit.parse(self.buffer_limit))
         budget = self.activation_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"activation_budget_bytes must be a positive integer (bytes), got {budget!r}")
@@ -61,7 +54,7 @@ class RRFPConfig:
         return replace(self, arbiter=arbiter, **options)
 
 
-_ARBITER_FIELDS = frozenset(f.name for f in fields(ArbiterConfig)) - {"buffer_limit"}  # ours: resolved per call
+_ARBITER_FIELDS = frozenset(f.name for f in fields(ArbiterConfig))
 _OWN_FIELDS = frozenset(f.name for f in fields(RRFPConfig)) - {"arbiter"}
 
 _defaults = RRFPConfig()

@@ -6,19 +6,18 @@
 per-microbatch loss dicts on the last stage, ``[]`` elsewhere. Each microbatch runs
 through megatron-core's own ``forward_step`` / ``backward_step`` (``stage_work.py``).
 
-Every call measures this rank's peak activation memory (runtime/memory.py) and resolves
-the buffer limit for its layout (``16``, ``1x``, ``auto``: auto_limit.py); both are in
-``last_iteration_report()`` beside the peak forwards in flight.
+Every call measures this rank's peak activation memory (runtime/memory.py) and runs with
+the buffer limit resolved for its layout (``16``, ``1x``; ``auto``: auto_limit.py); both are
+in ``last_iteration_report()`` beside the peak forwards in flight.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Optional
 
 import torch.distributed as dist
 
-from ..policy.limits import LimitSpec
+from ..policy.budget import LimitSpec
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
@@ -102,9 +101,8 @@ def forward_backward_rrfp(
     runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s)
     limit = auto_limit.call_limit(
         options, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
-        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None) if topology.interleaved else None,
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
-    plan = Plan.build(replace(options.arbiter, buffer_limit=limit.value), topology, num_microbatches)
+    plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter) if arbiter.split_backward else None
@@ -147,7 +145,7 @@ def forward_backward_rrfp(
                                          work.total_num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=groups.collection, force_all_reduce=force_all_reduce)
     report.peak_activation_bytes, report.activation_measure = meter.peak_bytes, meter.method
-    report.buffer_limit = 0 if forward_only or options.arbiter.strict else limit.value
+    report.buffer_limit = 0 if forward_only or options.arbiter.strict else arbiter.buffer_limit
     limit.record(report.peak_activation_bytes, report.peak_in_flight)
     if config.timers is not None:
         config.timers("forward-backward").stop()

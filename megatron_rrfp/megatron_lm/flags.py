@@ -8,11 +8,19 @@ import os
 from typing import Optional
 
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig
-from ..policy.arbiter import DEFAULT_HINT
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
+from ..policy.budget import BufferLimitError, parse_limit
 from ..policy.hints import BUILTIN_HINTS, HintError
-from ..policy.limits import DEFAULT_RUNTIME_LIMIT, BufferLimit
 
 PIPELINE_SCHEDULES = ("1f1b", "rrfp")
+
+
+def limit_type(text: str):
+    """argparse ``type=`` of a buffer limit: parse_limit, with its reason in the error line."""
+    try:
+        return parse_limit(text)
+    except BufferLimitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_rrfp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,11 +31,11 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--rrfp-hint", default=DEFAULT_HINT,
                        help=f"hint order: {', '.join(BUILTIN_HINTS)} or a JSON / CSV hint file "
                             f"(default {DEFAULT_HINT})")
-    group.add_argument("--rrfp-buffer-limit", default=DEFAULT_RUNTIME_LIMIT,
-                       help="(microbatch, chunk) forwards in flight per stage before backpressure: an integer, a "
-                            "multiple of what Megatron's own schedule holds on its fullest stage (1x, 1.5x, 2x), "
-                            "or auto: start at 1x, then grow each stage into its measured free memory "
-                            f"(default {DEFAULT_RUNTIME_LIMIT})")
+    group.add_argument("--rrfp-buffer-limit", type=limit_type, default=DEFAULT_BUFFER_LIMIT,
+                       help="activations in flight per stage before backpressure: an integer count of "
+                            "(microbatch, chunk) forwards, a multiple of what Megatron's own schedule holds "
+                            "('1x', '1.5x'), or 'auto' (from 1x, each stage grows into the memory measured free "
+                            f"on its device; mcore/auto_limit.py); default {DEFAULT_BUFFER_LIMIT}")
     group.add_argument("--rrfp-strict", action="store_true",
                        help="run the hint as a fixed order (baseline in the same runtime)")
     group.add_argument("--rrfp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -68,11 +76,14 @@ def _rrfp_flags_set(args: argparse.Namespace) -> bool:
 
 def rrfp_config_from_args(args: argparse.Namespace) -> RRFPConfig:
     """The executor options the flags ask for; ValueError naming the flag on a bad value."""
-    limit = BufferLimit.parse(args.rrfp_buffer_limit, option="--rrfp-buffer-limit")  # ValueError naming the flag
+    try:
+        parse_limit(str(args.rrfp_buffer_limit))
+    except BufferLimitError as exc:
+        raise ValueError(f"--rrfp-buffer-limit: {exc}") from None
     if not args.rrfp_timeout > 0:
         raise ValueError(f"--rrfp-timeout must be > 0 seconds, got {args.rrfp_timeout!r}")
     try:
-        return RRFPConfig.of(hint=args.rrfp_hint, buffer_limit=limit, strict=args.rrfp_strict,
+        return RRFPConfig.of(hint=args.rrfp_hint, buffer_limit=args.rrfp_buffer_limit, strict=args.rrfp_strict,
                              timeout_s=args.rrfp_timeout, record_spans=bool(getattr(args, "rrfp_trace_dir", None)))
     except HintError as exc:
         raise ValueError(f"--rrfp-hint: {exc}") from exc

@@ -242,8 +242,7 @@ def _announce_once() -> None:
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    options = defaults()
-    policy = options.arbiter
+    policy = defaults().arbiter
     strict = ", strict" if policy.strict else ""
     print(f"megatron-rrfp: pipeline schedule rrfp (hint={policy.parsed_hint.name}, "
-          f"buffer_limit={options.buffer_limit}{strict})", file=sys.stdout, flush=True)
+          f"buffer_limit={policy.buffer_limit}{strict})", file=sys.stdout, flush=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Kind(str, enum.Enum):
@@ -31,17 +31,27 @@ class Kind(str, enum.Enum):
 _TASK_RE = re.compile(r"^\s*(\d+)\s*([FBW])\s*(\d+)\s*$")
 
 
+_KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
     kind: Kind
     microbatch: int
     chunk: int = 0
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             object.__setattr__(self, "kind", Kind(self.kind))
         if self.microbatch < 0 or self.chunk < 0:
             raise ValueError(f"task {self.kind}{self.microbatch} chunk {self.chunk}: indices must be >= 0")
+        # Tasks live in sets and dicts on every dispatch: hash once, from ints only (the
+        # same in every process, unlike a str's, so a pickled Task stays valid)
+        object.__setattr__(self, "_hash", hash((_KIND_CODE[self.kind], self.microbatch, self.chunk)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return f"{self.chunk}{self.kind.value}{self.microbatch}"
@@ -77,6 +87,19 @@ def all_tasks(num_microbatches: int, num_chunks: int = 1, *, split_backward: boo
     """Every task one stage runs in one iteration."""
     kinds = [Kind.F] if forward_only else ([Kind.F, Kind.B, Kind.W] if split_backward else [Kind.F, Kind.B])
     return [Task(k, m, c) for k in kinds for c in range(num_chunks) for m in range(num_microbatches)]
+
+
+def peak_in_flight(order: Iterable[Task]) -> int:
+    """Peak of (forwards run) - (backwards run, or W run when the order splits the
+    backward: a deferred W still holds its inputs) along one stage's order, in
+    (microbatch, chunk) forwards — the memory unit of the buffer limit."""
+    order = list(order)
+    releasing = Kind.W if any(t.kind is Kind.W for t in order) else Kind.B
+    level = peak = 0
+    for task in order:
+        level += 1 if task.kind is Kind.F else (-1 if task.kind is releasing else 0)
+        peak = max(peak, level)
+    return peak
 
 
 def format_order(tasks: Iterable[Task]) -> str:

@@ -4,13 +4,35 @@ Pure Python, no torch: the simulator and the distributed executor both drive thi
 so what the simulator predicts is what the executor does. Given the same sequence of
 ready sets, every instance makes the same choices — tensor-parallel ranks rely on that.
 
-Memory bound (the paper's backpressure). ``in_flight`` = forwards run minus backwards
-run (minus *weight* tasks when the backward is split, since a deferred W still holds
-its activations). Once ``in_flight >= buffer_limit`` no new microbatch may start:
-only backward-direction tasks (B, W) and the next forward of the *focus* microbatch —
-the lowest started-but-unfinished one, completed in the order F0..F(C-1), B(C-1)..B0 —
-are allowed. Non-interleaved this is "drain backward only"; interleaved it is "finish
-one microbatch at a time". Hence in_flight <= limit (<= limit + C - 1 interleaved).
+Memory bound. ``in_flight`` = forwards run minus backwards run (minus *weight* tasks
+when the backward is split, since a deferred W still holds its activations); each
+(microbatch, chunk) forward counts 1. The limit is an int or a multiple of Megatron's own
+peak ("1x", "1.5x": budget.py). B and W never add memory and are always allowed. A
+forward F(j, c) is allowed only while the stage can still *finish its oldest microbatches
+in order* (a banker's safe state): with L the limit, held(k) the forwards of microbatch k
+in flight and need(k) its forwards not yet run on this stage,
+
+    in_flight < L   and   T_k = in_flight - sum_{i<k} held(i) + need(k) < L  for every
+                          microbatch k < j not yet finished on this stage.
+
+T_k is the memory the stage would hold when k runs its last forward if microbatches
+0..k-1 finished first. With L' = max(L, C) in place of L (a microbatch must be able to
+hold its C chunks), this gives:
+
+* memory: in_flight <= L' always (T of the oldest unfinished microbatch >= in_flight), so
+  in_flight <= L for L >= C and <= C <= L + C - 1 below that;
+* no deadlock for any L >= 1 under reliable communication. Invariant: T_k <= L' for every
+  unfinished k — true at the start (T_k = C), kept by B and W (they lower in_flight and
+  held(k) together) and by F(j) (it raises T_k, k < j, only where T_k < L'). Let j be the
+  lowest microbatch unfinished anywhere; its earliest pending task is ready. A B or W is
+  always allowed; an F(j, c) is allowed because j is the oldest on that stage and
+  T_j <= L' with need(j) >= 1 means in_flight < L'. Every hint returns a task when one is
+  allowed and ready (ordered hints fall back to the oldest microbatch outside their
+  lookahead window, hints.py), so that stage dispatches.
+
+Without chunks this is the paper's "drain backward only" at the limit; with chunks it
+replaces the paper's "finish one microbatch at a time", which serialised the pipeline
+(0.12x of Megatron's interleaved schedule at PP=16, C=4).
 
 Strict mode runs the hint's order exactly (the fixed-order baseline inside the same
 runtime); its memory is the order's own, so the buffer limit does not apply.
@@ -21,13 +43,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
-from .actions import Kind, Task, all_tasks, format_order
+from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
+from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit
 from .hints import Hint, OrderedHint, make_hint, validate_order
 from .topology import Topology
 
-DEFAULT_HINT = "bf"
-DEFAULT_BUFFER_LIMIT = 32
-"""Microbatches in flight per stage before backpressure (the paper's default)."""
+DEFAULT_HINT = "default"
+"""bf without chunks, Megatron's interleaved order with chunks (hints.DefaultHint)."""
+DEFAULT_BUFFER_LIMIT = "1x"
+"""Megatron's own activation memory for the layout (budget.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,18 +60,20 @@ class ArbiterConfig:
     when the config is built, and every arbiter built from it shares the parsed hint."""
 
     hint: str | Hint = DEFAULT_HINT
-    """bf | bfw | 1f1b | gpipe | path of a JSON / CSV hint file | a Hint object; a Hint after init."""
-    buffer_limit: int = DEFAULT_BUFFER_LIMIT
-    """Max microbatches in flight (forwards whose backward has not run). >= 1."""
+    """default | bf | bfw | 1f1b | zbh1 | gpipe | path of a JSON / CSV hint file | a Hint
+    object; a Hint after init."""
+    buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT
+    """Max (microbatch, chunk) forwards in flight on a stage: an int >= 1, or a multiple of
+    Megatron's own peak for the layout ("1x", "1.5x"; budget.py). "auto" is resolved to an
+    int by the runtime, which measures memory, before it builds a plan."""
     strict: bool = False
     """True: wait for the next listed task (fixed order). False: readiness-first."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.buffer_limit, bool) or not isinstance(self.buffer_limit, int) or self.buffer_limit < 1:
-            raise ValueError(
-                f"buffer_limit (--rrfp-buffer-limit) must be an integer >= 1, got {self.buffer_limit!r}; "
-                f"{DEFAULT_BUFFER_LIMIT} is the default"
-            )
+        try:
+            check_limit_spec(self.buffer_limit)
+        except ValueError as exc:
+            raise ValueError(f"buffer_limit (--rrfp-buffer-limit): {exc}") from None
         object.__setattr__(self, "hint", make_hint(self.hint))
 
     @property
@@ -71,7 +97,7 @@ class Arbiter:
         if not 0 <= stage < topology.num_stages:
             raise ValueError(f"stage {stage} outside pipeline of {topology.num_stages} stages")
         self.config = config
-        self.hint = config.parsed_hint
+        self.hint = config.parsed_hint.for_layout(topology)
         self.stage = stage
         self.topology = topology
         self.num_microbatches = num_microbatches
@@ -80,14 +106,24 @@ class Arbiter:
         self.tasks = all_tasks(num_microbatches, topology.num_chunks,
                                split_backward=self.split_backward, forward_only=forward_only)
         self.prefer = Kind.B  # BF rounds start with the backward slot
+        self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
+        # a microbatch must be able to hold all its chunks at once (see the module docstring)
+        self._admission_limit = max(self.buffer_limit, topology.num_chunks)
+        self._forwards_run = [0] * num_microbatches  # per microbatch, chunks forwarded here
+        self._released = [0] * num_microbatches  # per microbatch, chunks whose memory is freed
+        self._oldest = 0  # lowest microbatch not finished on this stage
+        self._frontier_at, self._frontier = -1, -1  # admission_frontier, cached per dispatch count
         self.in_flight = 0
         self.peak_in_flight = 0
         self.dispatched: list[Task] = []
         self.dispatched_set: set[Task] = set()
         self._order: Optional[list[Task]] = None
         self._order_pos = 0
+        self._position: dict[Task, int] = {}
         if config.strict or isinstance(self.hint, OrderedHint):
             self._order = self._checked_order(order)
+            self._position = {task: i for i, task in enumerate(self._order)}
+        self.lookahead = self._scaled_lookahead()
 
     # -- policy ----------------------------------------------------------------------
 
@@ -108,16 +144,20 @@ class Arbiter:
                                f"{format_order(self.dispatched)}")
         self.dispatched_set.add(task)
         self.dispatched.append(task)
+        mb = task.microbatch
         if task.kind is Kind.F:
             self.prefer = Kind.B
-            if not self.forward_only:
+            self._forwards_run[mb] += 1
+            if self.forward_only:
+                self._advance_oldest()
+            else:
                 self.in_flight += 1
         elif task.kind is Kind.B:
             self.prefer = Kind.F
             if not self.split_backward:
-                self.in_flight -= 1
+                self._release(mb)
         else:  # W releases the activations a split backward kept
-            self.in_flight -= 1
+            self._release(mb)
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self._order is not None:
             while self._order_pos < len(self._order) and self._order[self._order_pos] in self.dispatched_set:
@@ -129,7 +169,24 @@ class Arbiter:
 
     @property
     def at_limit(self) -> bool:
-        return not self.forward_only and self.in_flight >= self.config.buffer_limit
+        return not self.forward_only and self.in_flight >= self.buffer_limit
+
+    def memory_blocked(self, ready: Iterable[Task]) -> bool:
+        """A ready forward is refused by the memory rule now: waiting is backpressure, not
+        a bubble (the rule can refuse a forward below the limit too)."""
+        if self.forward_only:
+            return False
+        frontier = self.admission_frontier()
+        return any(t.kind is Kind.F and t.microbatch > frontier for t in ready)
+
+    @property
+    def oldest_unfinished(self) -> int:
+        """Lowest microbatch with work left on this stage (M when none)."""
+        return self._oldest
+
+    def order_position(self, task: Task) -> int:
+        """Index of ``task`` in this stage's hint order (ordered hints and strict mode)."""
+        return self._position[task]
 
     def next_in_order(self) -> Optional[Task]:
         return self._order[self._order_pos] if self._order and self._order_pos < len(self._order) else None
@@ -149,7 +206,7 @@ class Arbiter:
             "dispatched": len(self.dispatched),
             "total": len(self.tasks),
             "in_flight": self.in_flight,
-            "buffer_limit": self.config.buffer_limit,
+            "buffer_limit": self.buffer_limit,
             "prefer": self.prefer.value,
             "next_in_order": str(self.next_in_order()) if self._order else None,
             "last_dispatched": format_order(self.dispatched[-6:]),
@@ -169,31 +226,68 @@ class Arbiter:
         validate_order(order, self.tasks, stage=self.stage, hint_name=self.hint.name)
         return list(order)
 
-    def _allowed(self, ready: set[Task]) -> set[Task]:
-        if not self.at_limit:
-            return ready
-        allowed = {t for t in ready if t.kind is not Kind.F}
-        focus_next = self._focus_next_forward()
-        if focus_next is not None and focus_next in ready:
-            allowed.add(focus_next)
-        return allowed
-
-    def _focus_next_forward(self) -> Optional[Task]:
-        """Next forward of the lowest started, unfinished microbatch (interleaved only)."""
-        chunks = self.topology.num_chunks
-        if chunks == 1:
+    def _scaled_lookahead(self) -> Optional[int]:
+        """An ordered hint's window, widened with the memory above Megatron's: K + 2 entries
+        (a forward and the backward it pairs with) per extra slot. At 1x the plan keeps its
+        shape; with room to spare a stage may run further ahead of it (simulated, reference
+        jitter: an unwidened K = 8 wasted 0.1-0.3x of the speedup at 2x-4x)."""
+        base = getattr(self.hint, "lookahead", None)
+        if base is None or self._order is None:
             return None
-        for mb in range(self.num_microbatches):
-            if Task(Kind.F, mb, 0) not in self.dispatched_set:
-                continue
-            for chunk in range(1, chunks):
-                task = Task(Kind.F, mb, chunk)
-                if task not in self.dispatched_set:
-                    return task
-            last_kind = Kind.W if self.split_backward else Kind.B
-            if any(Task(last_kind, mb, c) not in self.dispatched_set for c in range(chunks)):
-                return None  # focus is in its backward phase: B/W are allowed anyway
-        return None
+        if base == "pp":
+            base = self.topology.num_stages
+        try:
+            reference = megatron_peak_in_flight(self.topology, self.num_microbatches)
+        except ValueError:  # a layout Megatron's interleaved schedule refuses: the hint's own peak
+            reference = peak_in_flight(self._order)
+        return base + 2 * max(0, self.buffer_limit - reference)
+
+    def _release(self, mb: int) -> None:
+        self.in_flight -= 1
+        self._released[mb] += 1
+        self._advance_oldest()
+
+    def _advance_oldest(self) -> None:
+        done = self._forwards_run if self.forward_only else self._released
+        chunks = self.topology.num_chunks
+        while self._oldest < self.num_microbatches and done[self._oldest] == chunks:
+            self._oldest += 1
+
+    def _allowed(self, ready: set[Task]) -> set[Task]:
+        if self.forward_only or not any(t.kind is Kind.F for t in ready):
+            return ready
+        frontier = self.admission_frontier()
+        return {t for t in ready if t.kind is not Kind.F or t.microbatch <= frontier}
+
+    def admission_frontier(self) -> int:
+        """Highest microbatch whose forwards may run now (-1: none; M: any).
+
+        F(j, .) is allowed iff in_flight < L and T_k < L for every unfinished k < j, with
+        T_k = in_flight - sum_{i<k} held(i) + need(k) (module docstring). T only matters up
+        to the first k with T_k >= L, so the answer is that k (its own forwards fit: they
+        are counted in T_k) — a scan over the microbatches in flight, O(window).
+        """
+        if self._frontier_at == len(self.dispatched):  # unchanged since the last dispatch
+            return self._frontier
+        limit, chunks, in_flight = self._admission_limit, self.topology.num_chunks, self.in_flight
+        forwards_run, released, m = self._forwards_run, self._released, self.num_microbatches
+        frontier = m
+        if in_flight >= limit:
+            frontier = -1
+        else:
+            older_held = 0  # sum of held(i) for i < k
+            for k in range(self._oldest, m):
+                forwarded = forwards_run[k]
+                if older_held == in_flight and forwarded == 0:
+                    # nothing from k on is in flight: T_k = need(k) = C for all of them
+                    frontier = k if chunks >= limit else m
+                    break
+                if in_flight - older_held + chunks - forwarded >= limit:
+                    frontier = k
+                    break
+                older_held += forwarded - released[k]
+        self._frontier_at, self._frontier = len(self.dispatched), frontier
+        return frontier
 
 
 __all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig"]

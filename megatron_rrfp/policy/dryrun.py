@@ -126,8 +126,11 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
     busy = [0.0] * pp
     trace: list[tuple[int, Task, float, float]] = []
     now = 0.0
+    touched = set(range(pp))
     while True:
-        for stage in range(pp):  # decide only after every event of this instant is applied
+        # decide only after every event of this instant is applied, and only where something
+        # changed: an arbiter given the same state and ready set decides the same again
+        for stage in sorted(touched):
             if busy_until[stage] is None and pipe.ready[stage]:
                 task = pipe.arbiters[stage].choose(pipe.ready[stage])
                 if task is not None:
@@ -142,8 +145,10 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
         if not pipe.events:
             break
         now = pipe.events[0][0]
+        touched = set()
         while pipe.events and pipe.events[0][0] == now:
             _, _, kind, stage, payload = heapq.heappop(pipe.events)
+            touched.add(stage)
             if kind == _FINISH:
                 busy_until[stage] = None
                 pipe.finish(stage, payload, now)

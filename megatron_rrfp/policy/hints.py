@@ -4,10 +4,22 @@ Two families, one interface (``Hint.pick`` ranks the allowed ready tasks; ``Hint
 is the full per-stage order, used by strict mode and for display):
 
 * rule hints — ``bf`` (the paper's default) and ``bfw`` — rank by direction;
-* ordered hints — ``1f1b`` (Megatron's per-stage order, interleaved included), ``gpipe``,
+* ordered hints — ``1f1b`` (Megatron's per-stage order, interleaved included), ``zbh1``
+  (zero-bubble ZB-H1: 1F1B's skeleton with the backward split and W deferred), ``gpipe``,
   or an explicit per-stage list (JSON) — rank by position in the list.
 
-``make_hint("bf" | "bfw" | "1f1b" | "gpipe" | "path/to/hint.json")`` builds one.
+``make_hint("bf" | "bfw" | "1f1b" | "zbh1" | "gpipe" | "path/to/hint.json")`` builds one;
+``"default"`` resolves per layout (``DefaultHint.for_layout``): ``bf`` without chunks,
+Megatron's own interleaved order (``1f1b``) with chunks — BF's breadth-first forwards fill
+an interleaved stage's memory with chunk-0 activations and serialise the pipeline at
+Megatron's memory.
+
+Readiness-first on an ordered hint is *bounded* (``lookahead``, default one entry per
+pipeline stage): a stage may run any ready task among the first K entries of its order it
+has not run yet — the plan, slipped where the run time made it stale — but not leap
+further ahead (with K = inf a stage 0 ran every chunk-0 forward first and left no memory
+for the deeper chunks). Outside the window only the stage's oldest unfinished microbatch
+may fill idle time, which keeps the arbiter deadlock-free (arbiter.py).
 """
 from __future__ import annotations
 
@@ -17,7 +29,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Optional, Protocol
 
-from .actions import Kind, Task, parse_order
+from .actions import Kind, Task, parse_order, peak_in_flight
 from .topology import Topology
 
 
@@ -26,11 +38,23 @@ class StageState(Protocol):
 
     prefer: Kind
     """The direction BF prefers next (after an F: B; after a B: F)."""
+    lookahead: Optional[int]
+    """An ordered hint's window on this stage, in order entries (None: unbounded)."""
+    oldest_unfinished: int
+    """Lowest microbatch with work left on the stage."""
 
     def remaining_order(self) -> Iterator[Task]:
         """The stage's order, minus what already ran (ordered hints)."""
 
-BUILTIN_HINTS = ("bf", "bfw", "1f1b", "gpipe")
+    def order_position(self, task: Task) -> int:
+        """Index of ``task`` in the stage's order."""
+
+BUILTIN_HINTS = ("default", "bf", "bfw", "1f1b", "zbh1", "gpipe")
+DEFAULT_LOOKAHEAD = "pp"
+"""Window of an ordered hint, in order entries: "pp" = one entry per pipeline stage. Measured
+(simulator, reference jitter, 1x memory, interleaved PP 2-16, C 2-4): PP=2 loses 3-7% to
+the strict order with any window > 2 and ties it at 2; PP 4-16 gain most with 3-16 entries;
+unbounded (the paper's rule) loses up to 2x at Megatron's memory."""
 
 
 class HintError(ValueError):
@@ -58,6 +82,10 @@ class Hint:
 
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
         raise NotImplementedError
+
+    def for_layout(self, topology: Topology) -> Hint:
+        """The concrete hint for this layout (itself, except for ``default``)."""
+        return self
 
     def __repr__(self) -> str:
         return f"<hint {self.name}>"
@@ -96,19 +124,39 @@ class DirectionalHint(Hint):
         return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
-class OrderedHint(Hint):
-    """A per-stage list; readiness-first dispatches the first *ready* entry not yet run."""
+class DefaultHint(Hint):
+    """What a user who names no hint gets, resolved per layout: BF (the paper's) without
+    chunks; Megatron's own interleaved order with chunks, read readiness-first within its
+    lookahead — never slower than running that order strictly (tests/test_policy.py
+    sweeps it)."""
 
-    def __init__(self, name: str, orders: Optional[Sequence[Sequence[Task]]] = None) -> None:
+    name = "default"
+
+    def for_layout(self, topology: Topology) -> Hint:
+        return make_hint("1f1b" if topology.interleaved else "bf")
+
+
+class OrderedHint(Hint):
+    """A per-stage list; readiness-first dispatches the first *ready* entry not yet run among
+    the next ``lookahead`` entries ("pp": as many as pipeline stages; None: anywhere in the
+    list, the paper's rule; the arbiter widens it by 2 per slot of memory above Megatron's),
+    else the first ready task of the stage's oldest unfinished microbatch, else waits."""
+
+    def __init__(self, name: str, orders: Optional[Sequence[Sequence[Task]]] = None, *,
+                 lookahead: int | str | None = DEFAULT_LOOKAHEAD) -> None:
+        if not (lookahead is None or lookahead == "pp" or (isinstance(lookahead, int) and lookahead >= 1)):
+            raise HintError(f"hint {name!r}: lookahead must be an int >= 1, 'pp' (one entry per stage) "
+                            f"or None (unbounded), got {lookahead!r}")
         self.name = name
+        self.lookahead = lookahead
         self._orders = [list(o) for o in orders] if orders is not None else None
-        self.split_backward = bool(self._orders) and any(
+        self.split_backward = name == "zbh1" or (bool(self._orders) and any(
             t.kind is Kind.W for order in self._orders for t in order
-        )
+        ))
 
     def _identity(self) -> tuple:
         orders = None if self._orders is None else tuple(tuple(o) for o in self._orders)
-        return (type(self).__name__, self.name, orders)
+        return (type(self).__name__, self.name, orders, self.lookahead)
 
     def orders(self, topology: Topology, num_microbatches: int) -> list[list[Task]]:
         if self._orders is not None:
@@ -120,15 +168,25 @@ class OrderedHint(Hint):
             return [list(order) for order in self._orders]
         if self.name == "1f1b":
             return [megatron_1f1b_order(s, topology, num_microbatches) for s in range(topology.num_stages)]
+        if self.name == "zbh1":
+            return [zbh1_order(s, topology, num_microbatches) for s in range(topology.num_stages)]
         if self.name == "gpipe":
             return [gpipe_order(topology, num_microbatches)] * topology.num_stages
         raise HintError(f"hint {self.name!r} has no order")
 
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
-        for task in arbiter.remaining_order():
+        if not allowed:
+            return None
+        window = arbiter.lookahead  # self.lookahead, widened with spare memory (arbiter.py)
+        for seen, task in enumerate(arbiter.remaining_order()):
+            if window is not None and seen >= window:
+                break
             if task in allowed:
                 return task
-        return None
+        # nothing in the window: only the oldest microbatch may fill the wait (progress
+        # guarantee), earliest-listed first
+        oldest = [t for t in allowed if t.microbatch == arbiter.oldest_unfinished]
+        return min(oldest, key=arbiter.order_position, default=None)
 
 
 def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
@@ -164,6 +222,34 @@ def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
     for k in range(len(forwards) - warmup):
         order += [forwards[warmup + k], backwards[k]]
     return order + backwards[len(forwards) - warmup:]
+
+
+def zbh1_order(stage: int, topology: Topology, num_microbatches: int) -> list[Task]:
+    """Zero-bubble ZB-H1 (Qi et al., arXiv 2401.10241, section 2.1): Megatron's 1F1B order
+    (interleaved included) with the backward split into B (input gradient, sent upstream at
+    once) and W (weight gradient), W of the k-th backward run right after the (k + d)-th.
+
+    d = P_max - P_s, P_s = stage s's 1F1B peak in flight, P_max = the most of any stage
+    (stage 0's). Without chunks d = s, as in the paper and torch.distributed.pipelining's
+    ZB1P: every stage then holds P_max = min(PP, M) in flight (F - W) — the paper's "same
+    peak memory as 1F1B" is this global peak; the later stages spend the room 1F1B leaves
+    them on deferred W, which fill the drain bubble. Remaining W close the order.
+    """
+    base = megatron_1f1b_order(stage, topology, num_microbatches)
+    peak_max = max(peak_in_flight(megatron_1f1b_order(s, topology, num_microbatches))
+                   for s in range(topology.num_stages))
+    delay = peak_max - peak_in_flight(base)
+    order: list[Task] = []
+    backwards: list[Task] = []
+    for task in base:
+        order.append(task)
+        if task.kind is Kind.B:
+            backwards.append(task)
+            if len(backwards) > delay:
+                done = backwards[len(backwards) - 1 - delay]
+                order.append(Task(Kind.W, done.microbatch, done.chunk))
+    released = max(0, len(backwards) - delay)
+    return order + [Task(Kind.W, t.microbatch, t.chunk) for t in backwards[released:]]
 
 
 def gpipe_order(topology: Topology, num_microbatches: int) -> list[Task]:
@@ -240,11 +326,13 @@ def load_pipelining_csv(path: str, num_stages: Optional[int] = None) -> OrderedH
 def make_hint(spec: str | Hint) -> Hint:
     if isinstance(spec, Hint):
         return spec
+    if spec == "default":
+        return DefaultHint()
     if spec == "bf":
         return DirectionalHint(with_weight_tasks=False)
     if spec == "bfw":
         return DirectionalHint(with_weight_tasks=True)
-    if spec in ("1f1b", "gpipe"):
+    if spec in ("1f1b", "zbh1", "gpipe"):
         return OrderedHint(spec)
     if isinstance(spec, str) and os.path.isfile(spec):
         return load_pipelining_csv(spec) if spec.lower().endswith(".csv") else load_hint_file(spec)
@@ -258,6 +346,8 @@ def validate_order(order: Iterable[Task], expected: Iterable[Task], *, stage: in
     """Each expected task exactly once, nothing else — checked before the first dispatch."""
     order = list(order)
     expected_set = set(expected)
+    if len(order) == len(expected_set) and set(order) == expected_set:
+        return  # the common case, checked in O(n); below only to name the first fault
     seen: set[Task] = set()
     for task in order:
         if task not in expected_set:

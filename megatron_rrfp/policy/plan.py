@@ -34,8 +34,13 @@ class Plan:
         return _build(config, topology, num_microbatches)
 
     @property
+    def hint(self):
+        """The concrete hint for this layout (``default`` resolved)."""
+        return self.config.parsed_hint.for_layout(self.topology)
+
+    @property
     def split_backward(self) -> bool:
-        return self.config.parsed_hint.split_backward
+        return self.hint.split_backward
 
     def arbiter(self, stage: int, *, forward_only: bool = False) -> Arbiter:
         order = None if self.orders is None else list(self.orders[stage])
@@ -48,7 +53,7 @@ class Plan:
 
 @lru_cache(maxsize=64)
 def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Plan:
-    hint = config.parsed_hint
+    hint = config.parsed_hint.for_layout(topology)
     orders = hint.orders(topology, num_microbatches)
     if orders is None and config.strict:
         orders = _materialize(config, topology, num_microbatches)
@@ -70,8 +75,8 @@ def _materialize(config: ArbiterConfig, topology: Topology, num_microbatches: in
     rule = replace(config, strict=False)
     arbiters = [Arbiter(rule, stage=s, topology=topology, num_microbatches=num_microbatches)
                 for s in range(topology.num_stages)]
-    split = config.parsed_hint.split_backward
-    return run(arbiters, topology, duration=constant_durations(split), name=f"{rule.hint.name}-materialize").orders
+    rule_name = f"{arbiters[0].hint.name}-materialize"
+    return run(arbiters, topology, duration=constant_durations(arbiters[0].split_backward), name=rule_name).orders
 
 
 __all__ = ["Plan"]

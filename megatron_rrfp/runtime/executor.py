@@ -139,7 +139,7 @@ class PipelineIteration:
     def _wait_for_change(self, seen: set[Task]) -> None:
         """Block until the ready set differs from ``seen`` (or fail after timeout_s)."""
         start = time.time()
-        blocked_by_limit = self.arbiter.at_limit and any(t.kind is Kind.F for t in self.ready)
+        blocked_by_limit = self.arbiter.memory_blocked(self.ready)
         while True:
             self._absorb()
             if self.ready != seen:

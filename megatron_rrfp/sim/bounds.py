@@ -7,20 +7,36 @@ from .variability import Realization
 
 def lower_bound(realization: Realization, topology: Topology, num_microbatches: int,
                 split_backward: bool = False) -> float:
-    """LB = max_s [ sum_{i<s} min_j F_i^j + sum_j (F_s^j + B_s^j (+W_s^j)) + sum_{i<s} min_j B_i^j ].
+    """A makespan no schedule can beat on this realisation, in the realisation's unit (f0).
 
-    Stage s cannot start before the cheapest forward reached it, must run all its own work,
-    and the last gradient must still travel back to stage 0. With a split backward the
-    trip back only needs the input-gradient half B (W is off the critical path). Latency is
-    ignored (it only lowers the bound). F_s^j / B_s^j sum over the stage's chunks.
+    With F[s][c][j], B[s][c][j] the forward and full-backward times of chunk c of stage s
+    for microbatch j, b = B/2 the input-gradient half when the backward is split (else
+    b = B), and for each stage s:
+
+      head_s    = sum_{i<s} min_j F[i][0][j]         no task of s starts before some
+                                                     chunk-0 forward crossed stages 0..s-1
+      work_s    = sum_{c,j} (F + B)[s][c][j]         s runs all its work, one task at a time
+      crit_s    = sum_{c,j} (F + b)[s][c][j]         ... of which this precedes its last B
+      tail_s(c) = sum_{i<s} min_j b[i][c][j] + sum_{c'<c} sum_i min_j b[i][c'][j]
+                                                     the gradient of a chunk-c B on s still
+                                                     has to cross every lower virtual stage
+
+      LB = max_s [ head_s + max(work_s, crit_s + min_c tail_s(c)) ]
+
+    The tail follows the *last B*, not the last task: with a split backward, W may run
+    while the gradient travels upstream. Latency is taken as 0 (it can only add).
     """
-    forward_totals = [[sum(realization.forward[s][c][j] for c in range(topology.num_chunks))
-                       for j in range(num_microbatches)] for s in range(topology.num_stages)]
-    backward_totals = [[sum(realization.backward_total[s][c][j] for c in range(topology.num_chunks))
-                        for j in range(num_microbatches)] for s in range(topology.num_stages)]
-    best, head, tail = 0.0, 0.0, 0.0
-    for s in range(topology.num_stages):
-        best = max(best, head + sum(forward_totals[s]) + sum(backward_totals[s]) + tail)
-        head += min(forward_totals[s])
-        tail += min(backward_totals[s]) / (2 if split_backward else 1)
+    pp, chunks = topology.num_stages, topology.num_chunks
+    fwd, bwd = realization.forward, realization.backward_total
+    half = 0.5 if split_backward else 1.0
+    min_input_grad = [[half * min(bwd[s][c]) for c in range(chunks)] for s in range(pp)]
+    best = head = 0.0
+    for s in range(pp):
+        forward = sum(sum(fwd[s][c]) for c in range(chunks))
+        backward = sum(sum(bwd[s][c]) for c in range(chunks))
+        tail = min(sum(min_input_grad[i][c] for i in range(s))
+                   + sum(min_input_grad[i][lower] for lower in range(c) for i in range(pp))
+                   for c in range(chunks))
+        best = max(best, head + max(forward + backward, forward + half * backward + tail))
+        head += min(fwd[s][0])
     return best

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from .simulator import BASELINE
 from .study import DEFAULT_POLICIES
 
 
@@ -32,9 +33,14 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--microbatches", "-m", type=int, default=32, help="microbatches per iteration (default 32)")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved if > 1)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help="comma list of bf, bfw, 1f1b, gpipe or hint files; '-strict' = fixed order")
-    p.add_argument("--buffer-limit", type=int, default=DEFAULT_BUFFER_LIMIT,
-                   help=f"microbatches in flight per stage (default {DEFAULT_BUFFER_LIMIT})")
+                   help="comma list of default, bf, bfw, 1f1b, zbh1, gpipe or hint files; '-strict' = fixed order "
+                        f"(default {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--buffer-limit", default=DEFAULT_BUFFER_LIMIT,
+                   help="(microbatch, chunk) forwards in flight per stage: an integer, or a multiple of what "
+                        "Megatron's own schedule holds ('1x', '1.5x'); a comma list (1x,1.5x,2x,4x) draws the "
+                        f"speedup-vs-memory trade-off curve (default {DEFAULT_BUFFER_LIMIT})")
+    p.add_argument("--baseline", default=BASELINE,
+                   help="also report each policy's per-seed speedup over this one (e.g. zbh1-strict)")
     p.add_argument("--seeds", type=int, default=5, help="seeds to simulate (medians are reported)")
     p.add_argument("--first-seed", type=int, default=0)
     v = p.add_argument_group("variability (the paper's reference: --sigma-compute 0.3 --c50 0.1 --sigma-msg 1.5)")
@@ -45,14 +51,25 @@ def add_simulate_parser(sub) -> None:
     v.add_argument("--sigma-msg", type=float, default=0.0, help="log-normal sigma of message latency")
     add_workload_arguments(v)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--curve", metavar="PNG", help="with several --buffer-limit values: draw speedup vs peak "
+                                                   "memory per policy (default: next to --json)")
     p.add_argument("--timeline", metavar="PNG", help="draw every policy's timeline for the first seed")
     p.add_argument("--trace", metavar="JSON", help="Chrome/Perfetto trace of the first seed")
     p.set_defaults(func=_run_simulate)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from .study import StudyConfig, format_report, run_study, save_json, write_timeline
+    from ..policy.budget import check_limit_spec
+    from .curve import plot_tradeoff
+    from .study import StudyConfig, format_report, format_tradeoff, run_tradeoff, save_json, write_timeline
     from .variability import REFERENCE_J3, Variability
+
+    limits = [int(part) if part.isdigit() else part
+              for part in (p.strip() for p in str(args.buffer_limit).split(",")) if part]
+    if not limits:
+        raise ValueError("--buffer-limit: give an integer, a multiple such as 1x, or a comma list of them")
+    for limit in limits:
+        check_limit_spec(limit)
 
     knobs = dict(sigma_compute=args.sigma_compute, c50=args.c50, sigma_msg=args.sigma_msg)
     if args.reference:
@@ -60,13 +77,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
     variability = Variability(backward_ratio=args.backward_ratio, **workload_from_args(args), **knobs)
     config = StudyConfig(pipeline_size=args.pp, num_microbatches=args.microbatches, num_chunks=args.chunks,
                          policies=[p.strip() for p in args.policies.split(",") if p.strip()],
-                         buffer_limit=args.buffer_limit, seeds=args.seeds, first_seed=args.first_seed,
-                         variability=variability)
-    report = run_study(config)
-    print(format_report(report))
+                         buffer_limit=limits[0], seeds=args.seeds, first_seed=args.first_seed,
+                         variability=variability, baseline=args.baseline)
+    tradeoff = run_tradeoff(config, limits)
+    single = len(limits) == 1
+    print(format_report(tradeoff["studies"][0]) if single else format_tradeoff(tradeoff))
     if args.json:
-        save_json(report, args.json)
+        save_json(tradeoff["studies"][0] if single else tradeoff, args.json)
         print(f"figures: {args.json}")
+    curve = args.curve or (args.json.rsplit(".", 1)[0] + "-curve.png" if args.json and not single else None)
+    if curve:
+        print(f"trade-off curve: {plot_tradeoff(tradeoff, curve)}")
     if args.timeline or args.trace:
         png = args.timeline or args.trace.rsplit(".", 1)[0] + ".png"
         write_timeline(config, png, trace_path=args.trace)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..policy.actions import Kind, Task
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, ArbiterConfig
+from ..policy.budget import LimitSpec
 from ..policy.dryrun import DeadlockError, DryRun, run
 from ..policy.plan import Plan
 from ..policy.topology import Topology
@@ -41,8 +42,10 @@ BASELINE = "1f1b" + STRICT_SUFFIX
 """Megatron's own order, run as a fixed order: every speedup is measured against it."""
 
 
-def policy(spec: str, buffer_limit: int = DEFAULT_BUFFER_LIMIT) -> ArbiterConfig:
-    """'bf', 'bfw', '1f1b', 'gpipe', a hint file (readiness-first) or '<hint>-strict' (fixed order)."""
+def policy(spec: str, buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT) -> ArbiterConfig:
+    """'default', 'bf', 'bfw', '1f1b', 'zbh1', 'gpipe', a hint file (readiness-first) or
+    '<hint>-strict' (fixed order); ``buffer_limit`` an int or a multiple of Megatron's
+    peak ("1x")."""
     strict = spec.endswith(STRICT_SUFFIX)
     return ArbiterConfig(hint=spec[: -len(STRICT_SUFFIX)] if strict else spec, buffer_limit=buffer_limit,
                          strict=strict)

@@ -1,4 +1,12 @@
-"""`megatron-rrfp simulate`: compare policies over K seeds of the same variability."""
+"""`megatron-rrfp simulate`: compare policies over K seeds of the same variability.
+
+    megatron-rrfp simulate --pp 8 -m 32 --reference --seeds 5                # at Megatron's memory (1x)
+    megatron-rrfp simulate --pp 8 -m 32 --reference --baseline zbh1-strict  # also vs strict ZB-H1
+    megatron-rrfp simulate --pp 8 -m 32 --chunks 2 --reference \
+        --buffer-limit 1x,1.25x,1.5x,2x,4x --json out/curve.json            # + out/curve-curve.png
+
+Speedups are per-seed ratios on the same realisation, then the median over seeds.
+"""
 from __future__ import annotations
 
 import json
@@ -9,13 +17,13 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from ..policy.budget import LimitSpec, megatron_peak_in_flight, resolve_buffer_limit
 from ..policy.topology import Topology
 from .bounds import lower_bound
-from .simulator import BASELINE, median, policy, simulate
+from .simulator import BASELINE, STRICT_SUFFIX, median, policy, simulate
 from .variability import Variability, sample_realization
 
-DEFAULT_POLICIES = ("1f1b-strict", "1f1b", "bf", "bfw")
+DEFAULT_POLICIES = ("1f1b-strict", "zbh1-strict", "default", "bf", "bfw", "zbh1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,33 +34,81 @@ class StudyConfig:
     num_microbatches: int = 32
     num_chunks: int = 1
     policies: Sequence[str] = DEFAULT_POLICIES
-    """Policy names: bf, bfw, 1f1b, gpipe or a hint file; '-strict' suffix = fixed order."""
-    buffer_limit: int = DEFAULT_BUFFER_LIMIT
+    """Policy names: default, bf, bfw, 1f1b, zbh1, gpipe or a hint file; '-strict' suffix = fixed order."""
+    buffer_limit: LimitSpec = "1x"
+    """Per-stage (microbatch, chunk) forwards in flight: an int or a multiple of Megatron's own peak."""
     seeds: int = 5
     first_seed: int = 0
     variability: Variability = field(default_factory=Variability)
+    baseline: str = BASELINE
+    """A second reference (e.g. zbh1-strict): speedups over it are reported too, per seed."""
+
+
+def _is_strict(name: str) -> bool:
+    return name.endswith(STRICT_SUFFIX)
 
 
 def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
+    """Every policy on every seed at ``config.buffer_limit``; speedups vs strict 1F1B."""
+    return run_tradeoff(config, [config.buffer_limit], progress=progress)["studies"][0]
+
+
+def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: bool = True) -> dict:
+    """The study at each buffer limit, on the same seeds: readiness-first policies once per
+    limit, strict ones once (a fixed order's memory is its own). Returns one report per
+    limit under "studies" and, per policy, the (peak in flight, speedup) curve under "curve"."""
     topology = Topology(config.pipeline_size, config.num_chunks)
-    policies = list(dict.fromkeys([BASELINE, *config.policies]))  # the baseline is always measured
-    runs: dict[str, list] = {name: [] for name in policies}
+    m = config.num_microbatches
+    resolved = [resolve_buffer_limit(spec, topology, m) for spec in limits]
+    policies = list(dict.fromkeys([BASELINE, config.baseline, *config.policies]))  # references always run
+    strict = [p for p in policies if _is_strict(p)]
+    loose = [p for p in policies if not _is_strict(p)]
+    runs: list[dict[str, list]] = [{name: [] for name in policies} for _ in limits]
     bounds, split_bounds = [], []
     seeds = range(config.first_seed, config.first_seed + config.seeds)
     for seed in tqdm(seeds, desc="simulating seeds", disable=not progress, leave=False):
-        realization = sample_realization(config.variability, topology, config.num_microbatches, seed)
-        bounds.append(lower_bound(realization, topology, config.num_microbatches))
-        split_bounds.append(lower_bound(realization, topology, config.num_microbatches, split_backward=True))
-        for name in policies:
-            runs[name].append(simulate(policy(name, config.buffer_limit), topology,
-                                       config.num_microbatches, realization, name=name))
-    baseline = [r.makespan for r in runs[BASELINE]]
+        realization = sample_realization(config.variability, topology, m, seed)
+        bounds.append(lower_bound(realization, topology, m))
+        split_bounds.append(lower_bound(realization, topology, m, split_backward=True))
+        fixed = {name: simulate(policy(name), topology, m, realization, name=name) for name in strict}
+        for index, limit in enumerate(resolved):
+            for name in strict:
+                runs[index][name].append(fixed[name])
+            for name in loose:
+                runs[index][name].append(simulate(policy(name, limit), topology, m, realization, name=name))
+    one_x = _one_x(topology, m)
+    studies = [_report(config, spec, limit, one_x, seeds, bounds, split_bounds, by_policy)
+               for spec, limit, by_policy in zip(limits, resolved, runs)]
+    curve = {name: [{"buffer_limit": study["buffer_limit"], "buffer_limit_spec": study["buffer_limit_spec"],
+                     "peak_in_flight": study["policies"][name]["peak_in_flight_max"],
+                     "memory_vs_megatron": study["policies"][name]["memory_vs_megatron"],
+                     "speedup_vs_1f1b_strict": study["policies"][name]["speedup_vs_1f1b_strict"],
+                     "speedup_vs_baseline": study["policies"][name]["speedup_vs_baseline"]}
+                    for study in (studies[:1] if _is_strict(name) else studies)]
+             for name in policies}
+    return {"megatron_peak_in_flight": one_x, "studies": studies, "curve": curve}
+
+
+def _one_x(topology: Topology, num_microbatches: int) -> Optional[int]:
+    try:
+        return megatron_peak_in_flight(topology, num_microbatches)
+    except ValueError:  # a layout Megatron's interleaved schedule refuses: no 1x reference
+        return None
+
+
+def _report(config: StudyConfig, spec: LimitSpec, limit: int, one_x: Optional[int], seeds, bounds, split_bounds,
+            runs: dict[str, list]) -> dict:
+    megatron = [r.makespan for r in runs[BASELINE]]
+    baseline = [r.makespan for r in runs[config.baseline]]
     report = {
         "pipeline_size": config.pipeline_size,
         "num_microbatches": config.num_microbatches,
         "num_chunks": config.num_chunks,
-        "buffer_limit": config.buffer_limit,
+        "buffer_limit": limit,
+        "buffer_limit_spec": str(spec),
+        "megatron_peak_in_flight": one_x,
         "seeds": list(seeds),
+        "baseline": config.baseline,
         "variability": asdict(config.variability),
         "lower_bound_median": median(bounds),
         "lower_bound_split_median": median(split_bounds),
@@ -62,28 +118,55 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
         makespans = [r.makespan for r in results]
         split = results[0].orders and any(t.kind.value == "W" for t in results[0].orders[0])
         own_bounds = split_bounds if split else bounds
+        peak = max(max(r.peak_in_flight) for r in results)
         report["policies"][name] = {
             "makespan_median": median(makespans),
             "makespan_per_seed": makespans,
             # per-seed ratio on the same realisation, then the median over seeds
-            "speedup_vs_1f1b_strict": median([b / m for b, m in zip(baseline, makespans)]),
+            "speedup_vs_1f1b_strict": median([b / m for b, m in zip(megatron, makespans)]),
+            "speedup_vs_baseline": median([b / m for b, m in zip(baseline, makespans)]),
             "bubble_fraction_median": median([r.bubble_fraction for r in results]),
             "makespan_over_lower_bound": median([m / lb for m, lb in zip(makespans, own_bounds)]),
-            "peak_in_flight_max": max(max(r.peak_in_flight) for r in results),
+            "peak_in_flight_max": peak,
+            "memory_vs_megatron": peak / one_x if one_x else None,
             "busy_per_stage_median": [median([r.busy[s] for r in results]) for s in range(config.pipeline_size)],
         }
     return report
 
 
 def format_report(report: dict) -> str:
+    one_x = report.get("megatron_peak_in_flight")
+    memory = f" ({report['buffer_limit'] / one_x:.3g}x Megatron's {one_x})" if one_x else ""
     head = (f"PP={report['pipeline_size']} M={report['num_microbatches']} C={report['num_chunks']} "
-            f"limit={report['buffer_limit']} seeds={len(report['seeds'])}  "
+            f"limit={report['buffer_limit']}{memory} seeds={len(report['seeds'])}  "
             f"lower bound (median) = {report['lower_bound_median']:.3f}")
-    rows = [head, f"{'policy':<16}{'makespan':>10}{'speedup':>9}{'bubble':>8}{'/LB':>7}{'peak D':>8}"]
+    other = report.get("baseline", BASELINE) != BASELINE
+    extra = f"{'vs ' + report['baseline']:>18}" if other else ""
+    rows = [head, f"{'policy':<16}{'makespan':>10}{'speedup':>9}{'bubble':>8}{'/LB':>7}{'peak D':>8}{extra}"]
     for name, p in report["policies"].items():
         rows.append(f"{name:<16}{p['makespan_median']:>10.3f}{p['speedup_vs_1f1b_strict']:>8.3f}x"
                     f"{100 * p['bubble_fraction_median']:>7.1f}%{p['makespan_over_lower_bound']:>7.3f}"
-                    f"{p['peak_in_flight_max']:>8d}")
+                    f"{p['peak_in_flight_max']:>8d}" + (f"{p['speedup_vs_baseline']:>17.3f}x" if other else ""))
+    return "\n".join(rows)
+
+
+def format_tradeoff(tradeoff: dict) -> str:
+    """Speedup over strict 1F1B (peak in flight) per policy and buffer limit."""
+    studies = tradeoff["studies"]
+    first = studies[0]
+    one_x = tradeoff["megatron_peak_in_flight"]
+    head = (f"PP={first['pipeline_size']} M={first['num_microbatches']} C={first['num_chunks']} "
+            f"seeds={len(first['seeds'])}  Megatron's peak in flight (1x) = {one_x}\n"
+            f"speedup over strict 1F1B (peak in flight) per buffer limit"
+            + (f"; speedups over {first['baseline']} in the JSON"
+               if first.get("baseline", BASELINE) != BASELINE else ""))
+    columns = [f"{s['buffer_limit_spec']}={s['buffer_limit']}" for s in studies]
+    rows = [head, f"{'policy':<16}" + "".join(f"{c:>16}" for c in columns)]
+    for name, points in tradeoff["curve"].items():
+        cells = [f"{p['speedup_vs_1f1b_strict']:.3f}x ({p['peak_in_flight']})" for p in points]
+        if len(cells) == 1 and len(columns) > 1:
+            cells = [cells[0] + " fixed"] + [""] * (len(columns) - 1)
+        rows.append(f"{name:<16}" + "".join(f"{c:>16}" for c in cells))
     return "\n".join(rows)
 
 
@@ -94,7 +177,7 @@ def write_timeline(config: StudyConfig, path: str, *, trace_path: Optional[str] 
     topology = Topology(config.pipeline_size, config.num_chunks)
     realization = sample_realization(config.variability, topology, config.num_microbatches, config.first_seed)
     runs = {}
-    for name in dict.fromkeys([BASELINE, *config.policies]):
+    for name in dict.fromkeys([BASELINE, config.baseline, *config.policies]):
         result = simulate(policy(name, config.buffer_limit), topology, config.num_microbatches, realization,
                           name=name, record_trace=True)
         runs[name] = spans_from_simulation(result.trace)

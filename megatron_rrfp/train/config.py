@@ -13,9 +13,11 @@ import argparse
 import importlib.util
 import os
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
+from ..mcore.config import DEFAULT_TIMEOUT_S
 from ..megatron_lm.flags import add_rrfp_arguments, validate_rrfp_arguments
+from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 
 
 def _flag(default, help: str, group: str, **argparse_kwargs):
@@ -82,10 +84,10 @@ class TrainConfig:
     distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives", "launching")
     # schedule: options.add_rrfp_arguments
     pipeline_schedule: str = _shared("1f1b")
-    rrfp_hint: str = _shared("bf")
-    rrfp_buffer_limit: str = _shared("auto")
+    rrfp_hint: str = _shared(DEFAULT_HINT)
+    rrfp_buffer_limit: Union[int, str] = _shared(DEFAULT_BUFFER_LIMIT)
     rrfp_strict: bool = _shared(False)
-    rrfp_timeout: float = _shared(600.0)
+    rrfp_timeout: float = _shared(DEFAULT_TIMEOUT_S)
     rrfp_trace_dir: Optional[str] = _shared(None)
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 

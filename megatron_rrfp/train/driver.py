@@ -174,13 +174,13 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
     num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * dp)
     meter = in_flight = None
     if cfg.pipeline_schedule != "rrfp":  # measure Megatron's schedule from outside, like bench does
+        from ..policy.actions import peak_in_flight
         from ..policy.hints import megatron_1f1b_order
-        from ..policy.limits import order_peak_in_flight
         from ..policy.topology import Topology
         from ..runtime.memory import ActivationMeter, model_tensors
 
         meter = ActivationMeter(device, persistent=model_tensors([model]))
-        in_flight = order_peak_in_flight(megatron_1f1b_order(
+        in_flight = peak_in_flight(megatron_1f1b_order(
             ps.get_pipeline_model_parallel_rank(), Topology(ps.get_pipeline_model_parallel_world_size()),
             num_microbatches))
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, forward_backward=builders.build_schedule(cfg),

@@ -29,7 +29,6 @@ class Case:
     hint: str = "bf"
     strict: bool = False
     buffer_limit: int | str = 32
-    """An integer, a multiple such as 1x, or auto (policy/limits.py)."""
     max_task_delay_s: float = 0.01
     """Each task sleeps U(0, max) first, drawn per rank: stages drift out of 1F1B's rhythm."""
     late_rank: Optional[int] = None

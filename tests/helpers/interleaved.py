@@ -34,7 +34,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     seq, mbs, vocab = 16, 2, 64
 
     def build(reference: bool):
-        config = models.tiny_gpt_config()
+        config = models.tiny_gpt_config(num_layers=pp * chunks)
         if reference:
             config.batch_p2p_comm = False
         if model == "gpt":
