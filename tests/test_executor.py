@@ -63,7 +63,8 @@ def test_pp4_gpt_and_mlp():
 @pytest.mark.timeout(400)
 def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
     cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
-             Case(model="gpt", iterations=2, hint="bfw", late_rank=3)]
+             Case(model="gpt", iterations=2, hint="bfw", late_rank=3),
+             Case(model="mlp", iterations=3, buffer_limit="auto")]  # TP ranks agree on auto's limit
     results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
     _check(results)
 

@@ -138,6 +138,7 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
     (["--pipeline-schedule", "gpipe"], "--pipeline-schedule"),
     (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "0"], "--rrfp-buffer-limit"),
     (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "many"], "--rrfp-buffer-limit"),
+    (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "0x"], "--rrfp-buffer-limit"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "0"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "soon"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "nan"], "--rrfp-timeout"),

@@ -22,7 +22,8 @@ TINY = ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--num-l
         "--global-batch-size", "8", "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0",
         "--train-iters", "6", "--log-interval", "1"]
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/(\d+) \| schedule (\S+) \| lm loss (\S+) \|.*"
-                       r"iteration time ([\d.]+) ms \| tokens/s ([\d.]+)")
+                       r"iteration time ([\d.]+) ms \| tokens/s ([\d.]+) \| peak activations ([\d.]+) MB \| "
+                       r"in flight (\d+)")
 LAUNCH_TIMEOUT_S = 150
 
 
@@ -30,6 +31,11 @@ def train(*flags: str, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.Complete
     """``megatron-rrfp train FLAGS`` (through the console script's module)."""
     return subprocess.run([sys.executable, "-m", "megatron_rrfp.cli", "train", *flags], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def memory(result: subprocess.CompletedProcess) -> dict[int, tuple[float, int]]:
+    """Logged (peak activation MB, peak forwards in flight), max over ranks, per iteration."""
+    return {int(m.group(1)): (float(m.group(7)), int(m.group(8))) for m in LOSS_LINE.finditer(result.stdout)}
 
 
 def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
@@ -60,24 +66,38 @@ def test_rrfp_trains_logs_and_writes_the_last_iteration_trace(rrfp_run):
     tasks = {(e["pid"], e["name"]) for e in merged if e.get("ph") == "X" and e["cat"] in ("F", "B")}
     assert tasks == {(rank, f"0{kind}{mb}") for rank in (0, 1) for kind in "FB" for mb in range(4)}, tasks
     assert (out / "trace" / "rank00001.json").exists()
+    # the default limit, 1x: never more forwards in flight than Megatron's PP = 2
+    logged = memory(result)
+    assert all(mb > 0 and n <= 2 for mb, n in logged.values()) and logged[1][1] == 2, logged
 
 
 @pytest.mark.timeout(200)
 def test_megatron_1f1b_gives_the_same_losses(rrfp_run):
     reference = losses(rrfp_run[1])
-    ours = losses(train(*TINY, "--pipeline-schedule", "1f1b"))
+    megatron = train(*TINY, "--pipeline-schedule", "1f1b")
+    ours = losses(megatron)
     assert ours.keys() == reference.keys()
     assert all(abs(ours[i] - reference[i]) <= 1e-5 for i in ours), (ours, reference)
+    # Megatron's memory is measured too; at 1x (iteration 1) RRFP holds the same forwards
+    megatron_memory, rrfp_memory = memory(megatron), memory(rrfp_run[1])
+    assert all(n == 2 for _, n in megatron_memory.values()), megatron_memory
+    assert megatron_memory[1][0] <= rrfp_memory[1][0] <= 1.1 * megatron_memory[1][0] + 0.01, \
+        (megatron_memory, rrfp_memory)
 
 
 @pytest.mark.timeout(200)
 def test_resuming_at_iteration_3_continues_like_the_uninterrupted_run(rrfp_run):
     out, result = rrfp_run
     uninterrupted = losses(result)
-    resumed = train(*TINY, "--pipeline-schedule", "rrfp", "--load", str(out / "ckpt"), "--load-iteration", "3")
+    resumed = train(*TINY, "--pipeline-schedule", "rrfp", "--load", str(out / "ckpt"), "--load-iteration", "3",
+                    "--rrfp-buffer-limit", "auto")  # auto changes the order and the memory, never the math
     assert "resumed from" in resumed.stdout and "at iteration 3" in resumed.stdout
     continued = losses(resumed)
     assert sorted(continued) == [4, 5, 6]
+    # auto: the first iteration of this process at 1x (2 in flight), then sized to free RAM (capped at M = 4)
+    logged = memory(resumed)
+    assert logged[4][1] == 2 and all(mb > 0 and 1 <= n <= 4 for mb, n in logged.values()), logged
+    assert resumed.stdout.count("megatron-rrfp: buffer limit auto") == 1, resumed.stdout
     assert all(abs(continued[i] - uninterrupted[i]) <= 1e-5 for i in continued), (continued, uninterrupted)
 
 

@@ -40,8 +40,9 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--warmup", type=bounds["--warmup"], default=1)
         p.add_argument("--seed", type=bounds["--seed"], default=0)
         p.add_argument("--buffer-limit", type=bounds["--buffer-limit"], default=DEFAULT_BUFFER_LIMIT,
-                       help="RRFP's activations in flight per stage: an integer, or a multiple of Megatron's "
-                            f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
+                       help="RRFP's activations in flight per stage: an integer, a multiple of Megatron's "
+                            "('1x', '1.5x') or 'auto' (grown into measured free memory); default "
+                            f"{DEFAULT_BUFFER_LIMIT}")
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
         p.add_argument("--goodput-ledger", metavar="DB", default=None,

@@ -12,6 +12,8 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
 * ``delay_messages(delay)`` — every message the executor's inbox receives is held back
   ``delay(message)`` seconds: emulated link latency (a FIFO link is the delay function's
   business: the emulator's never lets a message overtake an earlier one).
+* ``count_in_flight()`` — a counter of forwards whose backward has not run, fed by
+  ``wrap_tasks``: the peak in flight of Megatron's own schedules, measured like RRFP's.
 """
 from __future__ import annotations
 
@@ -57,6 +59,32 @@ def wrap_tasks(on_task: OnTask) -> None:
 
     schedules.forward_step, schedules.backward_step = hooked_forward_step, hooked_backward_step
     wgrad.WeightGradStore.run = hooked_weight
+
+
+class InFlightCounter:
+    """(microbatch, chunk) forwards run minus backwards run, while ``active``; ``peak``
+    since the last ``reset``. Counts F and B only: for schedules without a split backward."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.level = self.peak = 0
+
+    def reset(self) -> None:
+        self.level = self.peak = 0
+
+    def on_task(self, task: Task, run):
+        result = run()
+        if self.active and task.kind is not Kind.W:
+            self.level += 1 if task.kind is Kind.F else -1
+            self.peak = max(self.peak, self.level)
+        return result
+
+
+def count_in_flight() -> InFlightCounter:
+    """Install a new ``InFlightCounter`` on every task of this process (``wrap_tasks``)."""
+    counter = InFlightCounter()
+    wrap_tasks(counter.on_task)
+    return counter
 
 
 _task_delay: list = []  # [current delay function or None] once installed
@@ -126,4 +154,4 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
     _delivery.delay = delay
 
 
-__all__ = ["delay_messages", "delay_tasks", "wrap_tasks"]
+__all__ = ["InFlightCounter", "count_in_flight", "delay_messages", "delay_tasks", "wrap_tasks"]

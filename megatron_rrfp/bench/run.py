@@ -9,6 +9,11 @@ Formulas, per measured iteration (wall = slowest rank, between two barriers):
   bubble fraction = 1 - sum over ranks of busy time / (ranks x wall), busy = F/B/W spans
   tokens/s        = num_microbatches x micro_batch_size x seq_length x DP / wall
   speedup         = median wall of megatron-1f1b / median wall of the schedule
+Memory, per rank and schedule (max over the measured iterations; the table shows the max
+over ranks): peak activation bytes of the schedule call (runtime/memory.py: the CUDA
+allocator's peak, or on CPU the bytes held for backward — saved tensors, waiting messages,
+deferred W) and peak (microbatch, chunk) forwards in flight (RRFP: its arbiter; Megatron:
+counted around its own tasks, bench/hooks.py).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import ClassVar, Optional
 
 from ..checks import BUFFER_LIMIT, TIMEOUT_S, Bound, bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
-from ..policy.budget import LimitSpec
+from ..policy.budget import LimitSpec, check_limit_spec
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 
@@ -64,7 +69,7 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
     buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT
-    """RRFP's limit: an int or a multiple of Megatron's peak in flight ("1x")."""
+    """RRFP's limit: an int, a multiple of Megatron's peak in flight ("1x") or "auto"."""
     out_dir: str = "rrfp-out/bench"
     goodput_ledger: Optional[str] = None
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
@@ -94,6 +99,10 @@ class BenchConfig:
 
     def validate(self) -> None:
         self.variability_model()
+        try:
+            check_limit_spec(self.buffer_limit)
+        except ValueError as exc:
+            raise ValueError(f"--buffer-limit: {exc}") from None
         unknown = [s for s in self.schedules if s not in BENCH_SCHEDULES]
         if unknown:
             raise ValueError(f"--schedules: unknown {unknown}; available: {', '.join(BENCH_SCHEDULES)}")
@@ -184,13 +193,16 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     )
 
     from ..goodput.recorder import GoodputRecorder
+    from ..mcore.compat import pipeline_device
     from ..mcore.config import RRFPConfig
     from ..mcore.cpu import enable_cpu_reference_schedules
     from ..mcore.schedule import forward_backward_rrfp, last_iteration_report
     from ..mcore.session import shutdown
     from ..policy.topology import Topology
+    from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
     from .emulation import DeviceTimeEmulator, SendTimeTable
+    from .hooks import count_in_flight
 
     enable_cpu_reference_schedules()  # a no-op where CUDA is available
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
@@ -204,6 +216,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         if table_path else None
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
                                   table=table).install()
+    megatron_in_flight = count_in_flight()
+    megatron_meter = ActivationMeter(pipeline_device(),
+                                     persistent=model_tensors(stage if isinstance(stage, list) else [stage]))
     variability = config.variability_model()
     rank = dist.get_rank()
     results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}
@@ -215,6 +230,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     done = 0
     for schedule in config.schedules:
         walls, busy, spans, breakdowns = [], [], [], []
+        memory = {"peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}
         for iteration in range(config.warmup + config.iterations):
             realization = sample_realization(variability, topology, config.num_microbatches,
                                              seed=config.seed * 100_003 + iteration)
@@ -231,9 +247,14 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             recorder.iteration_start(ledger_iteration)
             start = time.time()
             if schedule == "megatron-1f1b":
-                megatron_schedule(**kwargs)
+                megatron_in_flight.reset()
+                megatron_in_flight.active = True
+                with megatron_meter:
+                    megatron_schedule(**kwargs)
+                megatron_in_flight.active = False
                 own_spans = list(emulator.spans)
-                breakdown = None
+                breakdown, report = None, None
+                measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
             else:
                 options = RRFPConfig.of(hint="1f1b" if schedule == "rrfp-strict" else schedule.split("-", 1)[1],
                                         strict=schedule == "rrfp-strict", buffer_limit=config.buffer_limit,
@@ -242,9 +263,10 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                 report = last_iteration_report()
                 own_spans = report.spans
                 breakdown = {name: getattr(report, name) for name in BREAKDOWN}
+                measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
+                            report.activation_measure)
             wall = torch.tensor([time.time() - start], dtype=torch.float64)
-            recorder.iteration(ledger_iteration, tokens=tokens,
-                               report=None if schedule == "megatron-1f1b" else last_iteration_report())
+            recorder.iteration(ledger_iteration, tokens=tokens, report=report, memory=measured[:2])
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
             busy_total = torch.tensor([compute], dtype=torch.float64)
@@ -255,13 +277,16 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                 spans = own_spans
                 if breakdown is not None:
                     breakdowns.append(breakdown)
+                memory["peak_activation_bytes"] = max(memory["peak_activation_bytes"], measured[0])
+                memory["peak_in_flight"] = max(memory["peak_in_flight"], measured[1])
+                memory["buffer_limit"], memory["activation_measure"] = measured[2], measured[3]
             done += 1
             if progress_path and rank == 0:
                 with open(progress_path, "a", encoding="utf-8") as handle:
                     handle.write(f"{done} {total} {schedule}\n")
         results["runs"][schedule] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
                                      "breakdown": {name: statistics.median(b[name] for b in breakdowns)
-                                                   for name in BREAKDOWN} if breakdowns else None}
+                                                   for name in BREAKDOWN} if breakdowns else None, **memory}
     recorder.job_end()
     shutdown()
     return results
@@ -385,29 +410,49 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     baseline = statistics.median(first["megatron-1f1b"]["walls"])
     topology = Topology(config.pipeline_size, config.num_chunks)
     variability = config.variability_model()
+    stage_limits = {s: _per_stage(per_rank, s, "buffer_limit") for s in config.schedules}
+    # The simulator runs one limit on every stage: the smallest any stage used (auto may differ per stage).
+    sim_limits = {s: min([v for v in stage_limits[s] if v] or [1]) for s in config.schedules}
     sims: dict[str, list[float]] = {}
     for iteration in range(config.warmup, config.warmup + config.iterations):
         realization = sample_realization(variability, topology, config.num_microbatches,
                                          seed=config.seed * 100_003 + iteration)
-        for name in {_SIM_POLICY[s] for s in config.schedules}:
-            sims.setdefault(name, []).append(
-                simulate(policy(name, config.buffer_limit), topology, config.num_microbatches, realization).makespan)
-    sim_base = statistics.median(sims["1f1b-strict"])
+        for schedule in config.schedules:
+            sims.setdefault(schedule, []).append(simulate(policy(_SIM_POLICY[schedule], sim_limits[schedule]),
+                                                          topology, config.num_microbatches, realization).makespan)
+    sim_base = statistics.median(sims["megatron-1f1b"])
+    megatron_peak = max(r["runs"]["megatron-1f1b"]["peak_activation_bytes"] for r in per_rank)
     runs = []
     for schedule in config.schedules:
         walls, busy = first[schedule]["walls"], first[schedule]["busy"]
         median = statistics.median(walls)
+        peak_bytes = [r["runs"][schedule]["peak_activation_bytes"] for r in per_rank]
+        in_flight = [r["runs"][schedule]["peak_in_flight"] for r in per_rank]
         runs.append({
             "schedule": schedule,
             "iteration_time_s": {"median": median, "p90": _quantile(walls, 0.9), "all": walls},
             "speedup_vs_megatron_1f1b": baseline / median,
             "bubble_fraction": statistics.median([1 - b / (ranks * w) for b, w in zip(busy, walls)]),
             "tokens_per_s": tokens / median,
-            "simulated_iteration_time_s": statistics.median(sims[_SIM_POLICY[schedule]]),
-            "simulated_speedup": sim_base / statistics.median(sims[_SIM_POLICY[schedule]]),
+            "simulated_iteration_time_s": statistics.median(sims[schedule]),
+            "simulated_speedup": sim_base / statistics.median(sims[schedule]),
             "breakdown_s": _across_ranks([r["runs"][schedule]["breakdown"] for r in per_rank]),
+            "peak_activation_bytes": {"max_over_ranks": max(peak_bytes), "per_rank": peak_bytes},
+            "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},
+            "activation_memory_vs_megatron_1f1b": max(peak_bytes) / megatron_peak if megatron_peak else None,
+            "buffer_limit": None if schedule in ("megatron-1f1b", "rrfp-strict") else
+            {"spec": str(config.buffer_limit), "per_stage": stage_limits[schedule]},
         })
-    return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks, "runs": runs}
+    return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
+            "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
+
+
+def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:
+    """``key`` of ``schedule`` per pipeline stage (its first rank: TP ranks agree)."""
+    by_stage: dict[int, object] = {}
+    for r in sorted(per_rank, key=lambda r: r["rank"]):
+        by_stage.setdefault(r["stage"], r["runs"][schedule][key])
+    return [by_stage[stage] for stage in sorted(by_stage)]
 
 
 def _across_ranks(per_rank: list) -> Optional[dict]:
@@ -431,12 +476,24 @@ def format_table(report: dict) -> str:
              f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
              f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
              f"{'schedule':<15}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
-             f"{'sim s':>8}{'sim speedup':>12}"]
+             f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}"]
+    limits = []
     for r in report["runs"]:
         t = r["iteration_time_s"]
+        ratio = r["activation_memory_vs_megatron_1f1b"]
         lines.append(f"{r['schedule']:<15}{t['median']:>10.3f}{t['p90']:>9.3f}{r['speedup_vs_megatron_1f1b']:>8.2f}x"
                      f"{100 * r['bubble_fraction']:>7.1f}%{r['tokens_per_s']:>10.0f}"
+                     f"{r['peak_activation_bytes']['max_over_ranks'] / 1e6:>9.2f}"
+                     + (f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}")
+                     + f"{r['peak_in_flight']['max_over_ranks']:>10}"
                      f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x")
+        if r["buffer_limit"] is not None:
+            spec = r["buffer_limit"]["spec"]
+            limits.append(f"{r['schedule']} {r['buffer_limit']['per_stage']}")
+    lines.append(f"act MB: peak activation memory of the schedule call, max over ranks ({report['activation_measure']}"
+                 "); in flight: peak (microbatch, chunk) forwards held, max over ranks")
+    if limits:
+        lines.append(f"buffer limit {spec}, resolved per stage: " + "; ".join(limits))
     return "\n".join(lines)
 
 
@@ -452,8 +509,13 @@ def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> N
             span.rank = next(r["stage"] for r in per_rank if r["rank"] == span.rank) if config.tensor_parallel == \
                 config.data_parallel == 1 else span.rank
         write_chrome_trace(spans, os.path.join(config.out_dir, f"trace-{schedule}.json"),
-                           metadata={"schedule": schedule, "measured": True})
-        timelines[schedule] = spans
+                           metadata={"schedule": schedule, "measured": True, **{
+                               key: {str(r["rank"]): r["runs"][schedule][key] for r in per_rank}
+                               for key in ("peak_activation_bytes", "peak_in_flight", "buffer_limit")}})
+        run = next(r for r in report["runs"] if r["schedule"] == schedule)
+        label = (f"{schedule} (peak activations {run['peak_activation_bytes']['max_over_ranks'] / 1e6:.2f} MB, "
+                 f"{run['peak_in_flight']['max_over_ranks']} in flight)")
+        timelines[label] = spans
     plot_timelines(timelines, os.path.join(config.out_dir, "timeline.png"),
                    title=f"measured: {config.model} PP={config.pipeline_size} M={config.num_microbatches} "
                          f"{config.variability} (last iteration)")

@@ -73,6 +73,9 @@ CATEGORIES = ("startup", "checkpoint_save", "checkpoint_load", "data_loading", "
               "recovery", "pipeline_bubble", "tp_coordination", "other")
 BREAKDOWN_FIELDS = (*EXECUTOR_FIELDS, "data_wait_s", "schedule_s")
 """Per-rank, per-iteration breakdown; stats in the ledger are [min, median, mean, max] over ranks."""
+MEMORY_FIELDS = ("peak_activation_bytes", "peak_in_flight")
+"""Per-rank peak activation memory of the iteration's schedule call and its peak forwards in
+flight; stats over the ranks that measured them (absent when none did)."""
 
 _SAVE, _LOAD, _DATA, _ITER, _BASE = range(5)  # span priorities: lower wins
 
@@ -84,6 +87,10 @@ def summarize_ranks(vectors: list[list[float]], tokens: int) -> dict:
         values = [float(v[i]) for v in vectors]
         stats[name] = [min(values), statistics.median(values), statistics.fmean(values), max(values)]
     measured = sum(1 for v in vectors if v[len(BREAKDOWN_FIELDS)] > 0)
+    for i, name in enumerate(MEMORY_FIELDS, start=len(BREAKDOWN_FIELDS) + 1):
+        values = [float(v[i]) for v in vectors if len(v) > i and v[i] >= 0]
+        if values:
+            stats[name] = [min(values), statistics.median(values), statistics.fmean(values), max(values)]
     return {"tokens": int(tokens), "ranks": len(vectors), "measured_ranks": measured, "stats": stats}
 
 
@@ -206,7 +213,8 @@ class GoodputReport:
                            "wasted": self.count("wasted"), "incomplete": self.count("incomplete"),
                            "without_breakdown": self.unmeasured_iterations,
                            "mean_s": self.iteration_time_s / max(1, self.count("kept") + self.count("wasted"))},
-            "breakdown_across_ranks_s": self.breakdown,
+            "breakdown_across_ranks_s": {k: v for k, v in self.breakdown.items() if k not in MEMORY_FIELDS},
+            "memory_across_ranks": {k: v for k, v in self.breakdown.items() if k in MEMORY_FIELDS},
             "sessions": self.sessions, "checkpoint_saves": self.checkpoint_saves,
             "disruptions": [{"time_s": d.time_s, "session": d.session, "kind": d.kind, "message": d.message,
                              "rank": d.rank, "inferred": d.inferred, "resumed_from": d.resumed_from,
@@ -448,6 +456,11 @@ def _breakdown(kept: list[IterationRecord]) -> dict[str, dict[str, float]]:
         if rows:
             out[name] = {"min": statistics.fmean(v[0] for v in rows), "median": statistics.fmean(v[1] for v in rows),
                          "max": statistics.fmean(v[3] for v in rows)}
+    for name in MEMORY_FIELDS:  # peaks: the largest per-iteration min / median / max across ranks
+        rows = [r.stats[name] for r in kept if name in r.stats]
+        if rows:
+            out[name] = {"min": max(v[0] for v in rows), "median": max(v[1] for v in rows),
+                         "max": max(v[3] for v in rows)}
     if kept:
         durations = [r.duration for r in kept]
         out["iteration_s"] = {"min": min(durations), "median": statistics.median(durations), "max": max(durations)}

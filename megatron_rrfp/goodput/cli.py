@@ -96,6 +96,15 @@ def format_report(report: GoodputReport) -> str:
         row = report.breakdown["iteration_s"]
         lines.append(f"{'iteration (across iterations)':<30}"
                      f"{row['min']:>10.4f}{row['median']:>10.4f}{row['max']:>10.4f}")
+    if "peak_activation_bytes" in report.breakdown:
+        lines += ["", "peak activation memory across ranks (the largest over kept iterations)",
+                  f"{'':<30}{'min':>10}{'median':>10}{'max':>10}"]
+        row = report.breakdown["peak_activation_bytes"]
+        lines.append(f"{'activations held, MB':<30}{row['min'] / 1e6:>10.2f}{row['median'] / 1e6:>10.2f}"
+                     f"{row['max'] / 1e6:>10.2f}")
+        if "peak_in_flight" in report.breakdown:
+            row = report.breakdown["peak_in_flight"]
+            lines.append(f"{'forwards in flight':<30}{row['min']:>10.0f}{row['median']:>10.0f}{row['max']:>10.0f}")
     if report.disruptions:
         lines += ["", "disruptions"]
         for d in report.disruptions:

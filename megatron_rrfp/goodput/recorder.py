@@ -59,6 +59,9 @@ Megatron-LM plugin (``megatron_rrfp/integration.py``), wrapping names in
                                     publish_to_timers(get_timers(), report)
     pretrain(...) returns        -> recorder.job_end();  raises -> recorder.disruption(...); raise
 
+``peak_memory_line`` is the log line (global rank 0, every --log-interval) with the peak
+activation memory and forwards in flight, max over ranks: bytes are not times, so they
+stay out of Megatron's timers.
 ``publish_to_timers`` adds the breakdown to timers 'rrfp-compute', 'rrfp-bubble',
 'rrfp-backpressure', 'rrfp-tp-agreement', 'rrfp-flush' (log level 1, like
 'forward-backward'; shown with ``--timing-log-level >= 1``). Megatron-LM's
@@ -74,7 +77,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Optional, Union
 
-from .accounting import BREAKDOWN_FIELDS, summarize_ranks
+from .accounting import BREAKDOWN_FIELDS, MEMORY_FIELDS, summarize_ranks
 from .schema import Clock, LedgerBusyError, LedgerWarning, system_clock
 from .writer import LedgerWriter
 
@@ -85,13 +88,18 @@ TIMER_NAMES = {"compute_s": "rrfp-compute", "wait_s": "rrfp-bubble", "backpressu
 Gather = Callable[[list], list]
 
 
-def breakdown_vector(report, data_wait_s: float = 0.0) -> list[float]:
-    """This rank's iteration as floats in ``BREAKDOWN_FIELDS`` order, then 1.0 if measured.
-    ``report``: an ``executor.IterationReport`` (seconds) or None (a non-RRFP schedule)."""
+def breakdown_vector(report, data_wait_s: float = 0.0, memory: Optional[tuple] = None) -> list[float]:
+    """This rank's iteration as floats in ``BREAKDOWN_FIELDS`` order, then 1.0 if measured,
+    then ``MEMORY_FIELDS`` (-1: not measured). ``report``: an ``executor.IterationReport``
+    (seconds) or None (a non-RRFP schedule); ``memory``: (peak activation bytes, peak in
+    flight) measured around a schedule without a report (default: the report's)."""
+    if memory is None and report is not None:  # -1: a report that does not carry them
+        memory = (getattr(report, "peak_activation_bytes", -1), getattr(report, "peak_in_flight", -1))
+    tail = [float(v) for v in memory] if memory is not None else [-1.0] * len(MEMORY_FIELDS)
     if report is None:
-        return [0.0] * (len(BREAKDOWN_FIELDS) - 2) + [float(data_wait_s), 0.0, 0.0]
+        return [0.0] * (len(BREAKDOWN_FIELDS) - 2) + [float(data_wait_s), 0.0, 0.0] + tail
     return [float(report.compute_s), float(report.wait_s), float(report.backpressure_s), float(report.agree_s),
-            float(report.flush_s), float(data_wait_s), float(report.wall_s), 1.0]
+            float(report.flush_s), float(data_wait_s), float(report.wall_s), 1.0] + tail
 
 
 def all_gather_vectors(vector: list[float], group=None) -> list[list[float]]:
@@ -149,13 +157,15 @@ class GoodputRecorder:
     def iteration_start(self, iteration: int) -> None:
         self._write("iteration_start", iteration=iteration)
 
-    def iteration(self, iteration: int, tokens: int, report=None, data_wait_s: float = 0.0) -> None:
+    def iteration(self, iteration: int, tokens: int, report=None, data_wait_s: float = 0.0,
+                  memory: Optional[tuple] = None) -> None:
         """Iteration ``iteration`` completed, processing ``tokens`` tokens (whole job).
+        ``memory``: (peak activation bytes, peak in flight) of a schedule without a report.
         Collective when gathering (see the module docstring)."""
         if not self.enabled:
             return
         at = self._clock()  # the end is now, not after the all-gather
-        vector = breakdown_vector(report, data_wait_s)
+        vector = breakdown_vector(report, data_wait_s, memory)
         vectors = [vector]
         if self._gather is not None:
             try:
@@ -294,6 +304,26 @@ def publish_to_timers(timers, report, *, log_level: int = 1) -> dict[str, float]
     return added
 
 
+def peak_memory_line(report, iteration: int, *, world: int) -> Optional[str]:
+    """"megatron-rrfp: iteration N | peak activation memory X MB (max over ranks) | ...", for
+    global rank 0 to print (None elsewhere, or when no rank measured). COLLECTIVE when
+    world > 1 (a 2-float all-gather): every rank calls it at the same iterations. Never raises."""
+    mine = [float(getattr(report, name, -1)) for name in ("peak_activation_bytes", "peak_in_flight")]
+    try:
+        everyone = all_gather_vectors(mine) if world > 1 else [mine]
+    except Exception as exc:
+        warnings.warn(f"goodput: peak activation memory not gathered ({exc})", LedgerWarning, stacklevel=2)
+        return None
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0) or max(v[0] for v in everyone) < 0:
+        return None
+    limit = getattr(report, "buffer_limit", 0)
+    limit = f" | buffer limit {limit} on rank 0" if limit else ""
+    return (f"megatron-rrfp: iteration {iteration} | peak activation memory {max(v[0] for v in everyone) / 1e6:.1f} "
+            f"MB (max over ranks) | peak forwards in flight {max(v[1] for v in everyone):.0f}{limit}")
+
+
 def _add_elapsed(timer, seconds: float) -> bool:
     if getattr(timer, "_started", False):
         return False  # someone times it live: leave it alone
@@ -329,4 +359,4 @@ def extend_timer_logging(timers, *, names: Iterable[str] = TIMER_NAMES.values(),
 
 
 __all__ = ["GoodputRecorder", "TIMER_NAMES", "all_gather_vectors", "breakdown_vector", "extend_timer_logging",
-           "open_recorder", "publish_to_timers"]
+           "open_recorder", "peak_memory_line", "publish_to_timers"]

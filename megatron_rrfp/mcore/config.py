@@ -8,6 +8,7 @@ process-wide defaults (the Megatron-LM integration does this from the --rrfp-* f
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Optional
 
 from ..checks import TIMEOUT_S
 from ..policy.arbiter import ArbiterConfig
@@ -25,13 +26,20 @@ class RRFPConfig:
     """A rank with no progress for this long raises with a state dump (--rrfp-timeout)."""
     record_spans: bool = False
     """Keep per-task timestamps for traces (--rrfp-trace-dir turns it on)."""
+    activation_budget_bytes: Optional[int] = None
+    """buffer_limit "auto" only: bytes each stage may fill with activations (default: what its
+    device has free; mcore/auto_limit.py)."""
 
     def __post_init__(self) -> None:
+        budget = self.activation_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"activation_budget_bytes must be a positive integer (bytes), got {budget!r}")
         TIMEOUT_S.check("timeout_s (--rrfp-timeout, seconds)", self.timeout_s)
 
     @classmethod
     def of(cls, **options) -> RRFPConfig:
-        """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=."""
+        """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=,
+        activation_budget_bytes=."""
         return cls().with_options(**options)
 
     def with_options(self, **options) -> RRFPConfig:

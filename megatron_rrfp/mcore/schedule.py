@@ -5,6 +5,10 @@
 ``strict=``, ``timeout_s=``, ``rrfp_config=``) and returns the same thing: the
 per-microbatch loss dicts on the last stage, ``[]`` elsewhere. Each microbatch runs
 through megatron-core's own ``forward_step`` / ``backward_step`` (``stage_work.py``).
+
+Every call measures this rank's peak activation memory (runtime/memory.py) and runs with
+the buffer limit resolved for its layout (``16``, ``1x``; ``auto``: auto_limit.py); both are
+in ``last_iteration_report()`` beside the peak forwards in flight.
 """
 from __future__ import annotations
 
@@ -13,11 +17,13 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..policy.budget import LimitSpec
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
-from . import compat, recovery
+from ..runtime.memory import ActivationMeter, model_tensors
+from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
 from .grad_sync import GradSyncController
 from .session import session
@@ -67,7 +73,7 @@ def forward_backward_rrfp(
     pg_collection=None,
     force_all_reduce: Optional[bool] = False,
     hint=None,
-    buffer_limit: Optional[int] = None,
+    buffer_limit: Optional[LimitSpec] = None,
     strict: Optional[bool] = None,
     timeout_s: Optional[float] = None,
     rrfp_config: Optional[RRFPConfig] = None,
@@ -92,10 +98,15 @@ def forward_backward_rrfp(
                          "forward_backward_no_pipelining (get_forward_backward_func does this)")
     stage = pp_ranks.index(dist.get_rank())
     topology = Topology(len(pp_ranks), len(models))
-    plan = Plan.build(options.arbiter, topology, num_microbatches)
+    device = compat.pipeline_device()
+    runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s)
+    limit = auto_limit.call_limit(
+        options, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
+        forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
+    plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
-    wgrad_store = weight_grad_store(models) if arbiter.split_backward else None
-    runtime = session(pp_ranks, groups.agreement_ranks, compat.pipeline_device(), options.timeout_s)
+    meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
+    wgrad_store = weight_grad_store(models, meter) if arbiter.split_backward else None
     agreement = None
     if runtime.agreement_group is not None:
         agreement = TPAgreement(runtime.agreement_group, num_microbatches=num_microbatches,
@@ -109,30 +120,35 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
-    grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
-                                   forward_only=forward_only)
-    recovery.track(config, grad_sync)  # from here on a failure leaves the runtime unusable: clean up
-    grad_sync.start()
-    work = MegatronStageWork(
-        forward_step_func=forward_step_func, data_iterators=iterators, models=models,
-        num_microbatches=num_microbatches, config=config, topology=topology, stage=stage,
-        cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, grad_sync=grad_sync)
-    work.wgrad_store = wgrad_store
-    iteration = PipelineIteration(
-        work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
-        transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,
-        forward_only=forward_only, record_spans=options.record_spans)
-    report = iteration.run()
-    if wgrad_store is not None:
-        report.peak_deferred_wgrad_bytes = wgrad_store.peak_pending_bytes
-    _last_reports[:] = [report]
+    with meter:
+        grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
+                                       forward_only=forward_only)
+        recovery.track(config, grad_sync)  # from here on a failure leaves the runtime unusable: clean up
+        grad_sync.start()
+        work = MegatronStageWork(
+            forward_step_func=forward_step_func, data_iterators=iterators, models=models,
+            num_microbatches=num_microbatches, config=config, topology=topology, stage=stage,
+            cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, grad_sync=grad_sync)
+        work.wgrad_store = wgrad_store
+        iteration = PipelineIteration(
+            work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
+            transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,
+            forward_only=forward_only, record_spans=options.record_spans, memory=meter)
+        report = iteration.run()
+        if wgrad_store is not None:
+            report.peak_deferred_wgrad_bytes = wgrad_store.peak_pending_bytes
+        _last_reports[:] = [report]
 
-    grad_sync.finish()
-    if config.finalize_model_grads_func is not None and not forward_only:
-        compat.finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, groups.tp)
-        compat.finalize_model_grads(config, models, work.total_num_tokens if config.calculate_per_token_loss else None,
-                                     pg_collection=groups.collection, force_all_reduce=force_all_reduce)
+        grad_sync.finish()
+        if config.finalize_model_grads_func is not None and not forward_only:
+            compat.finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, groups.tp)
+            compat.finalize_model_grads(config, models,
+                                         work.total_num_tokens if config.calculate_per_token_loss else None,
+                                         pg_collection=groups.collection, force_all_reduce=force_all_reduce)
+    report.peak_activation_bytes, report.activation_measure = meter.peak_bytes, meter.method
+    report.buffer_limit = 0 if forward_only or options.arbiter.strict else arbiter.buffer_limit
+    limit.record(report.peak_activation_bytes, report.peak_in_flight)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()

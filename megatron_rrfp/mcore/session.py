@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..runtime.agreement import create_agreement_groups
 from ..runtime.executor import Inbox
 from ..runtime.transport import StageTransport, create_directed_groups
+from . import auto_limit
 
 
 class Session:
@@ -83,6 +84,7 @@ def shutdown() -> None:
     if _session is not None:
         _session.close()
     _session = None
+    auto_limit.reset()  # calibrations belong to the job that measured them
 
 
 __all__ = ["Session", "agreement_group", "session", "shutdown"]

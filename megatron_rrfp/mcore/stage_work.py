@@ -121,7 +121,7 @@ class MegatronStageWork:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
 
 
-def weight_grad_store(models):
+def weight_grad_store(models, memory=None):
     """BFW: weight gradients are deferred to W tasks. Gradient reductions stay off (no_sync)
     through every B and W — the split backward never calls the grad-sync hooks — and run
     after the last W (GradSyncController.finish, then finalize_model_grads), so with
@@ -129,4 +129,4 @@ def weight_grad_store(models):
     from . import wgrad
 
     wgrad.install(models)
-    return wgrad.WeightGradStore()
+    return wgrad.WeightGradStore(memory=memory)

@@ -16,11 +16,10 @@ What is deferred: the weight gradient ``grad_output^T @ input`` of every
 the installed models — in a GPT layer linear_qkv, linear_proj, linear_fc1, linear_fc2,
 and the output layer. That is the bulk of a transformer's weight-gradient FLOPs.
 
-What stays in B (computed by autograd during the backward, so it is exactly as before):
-biases (cheap, and several are added outside the linear's autograd function anyway),
-LayerNorm weights, embeddings, and any parameter of other modules. ``coverage(models)``
-lists both groups by name. A weight tied to an embedding (shared output layer) has its
-output-layer part deferred and its embedding part computed in B.
+What stays in B (computed by autograd during the backward, exactly as before): biases
+(cheap, several are added outside the linear's autograd function anyway), LayerNorm weights,
+embeddings, any parameter of other modules. ``coverage(models)`` lists both groups by name.
+A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
 Exactness: ``run(key)`` computes the same GEMM as megatron-core's unsplit backward on the
 same saved tensors and accumulates it where the unsplit backward would have (see
@@ -112,6 +111,7 @@ class _Pending:
     works: list = dataclasses.field(default_factory=list)
     storages: set = dataclasses.field(default_factory=set)  # (device, data_ptr) counted
     nbytes: int = 0
+    held: list = dataclasses.field(default_factory=list)  # one tensor per counted storage
 
 
 _active: Optional[tuple[WeightGradStore, Key]] = None  # set by deferring()
@@ -126,14 +126,16 @@ class WeightGradStore:
     key is a no-op. It bounds memory, like megatron-core's ``wgrad_deferral_limit``.
 
     ``peak_pending_bytes``: the largest ``pending_bytes()`` seen since construction.
+    ``memory``: an optional ``runtime.memory.ActivationMeter`` told what W keeps alive.
     Not thread-safe: one compute thread runs B and W (autograd's own device threads may
     run the backward itself; the active key is process-global for that reason).
     """
 
-    def __init__(self, *, max_pending: Optional[int] = None):
+    def __init__(self, *, max_pending: Optional[int] = None, memory=None):
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
         self.max_pending = max_pending
+        self.memory = memory
         self._pending: dict[Key, _Pending] = {}  # in the order B ran
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
@@ -190,6 +192,7 @@ class WeightGradStore:
         with torch.no_grad():
             for work in entry.works:
                 _run_work(work, key)
+        self._release(entry)
 
     def pending(self) -> list[Key]:
         """Keys whose W has not run, in the order their B ran."""
@@ -211,12 +214,20 @@ class WeightGradStore:
                 entry.storages.add(ident)
                 entry.nbytes += storage.nbytes()
                 self._bytes += storage.nbytes()
+                entry.held.append(tensor)
+                if self.memory is not None:
+                    self.memory.hold(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
 
     def _drop(self, key: Key) -> None:
         entry = self._pending.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            self._release(entry)
+
+    def _release(self, entry: _Pending) -> None:
+        for tensor in entry.held if self.memory is not None else ():
+            self.memory.release(tensor)
 
     def __repr__(self) -> str:
         return (f"WeightGradStore(pending={self.pending()}, pending_bytes={self._bytes}, "
@@ -298,6 +309,11 @@ class _DeferrableLinear(_MegatronLinearFunction):
     weight gradient while a ``WeightGradStore.deferring`` is active."""
 
     @staticmethod
+    def forward(ctx, input, weight, *args):
+        ctx.rrfp_weight = weight  # the Parameter: under saved_tensors_hooks, saved_tensors is a copy
+        return _MegatronLinearFunction.forward(ctx, input, weight, *args)
+
+    @staticmethod
     def backward(ctx, grad_output):
         active = _active
         if active is None or getattr(ctx, "grad_output_buffer", None) is not None:
@@ -309,7 +325,7 @@ class _DeferrableLinear(_MegatronLinearFunction):
 @_layers.custom_bwd  # same autocast state as megatron-core's backward
 def _input_grad_only(ctx, grad_output, active):
     store, key = active
-    input, weight = ctx.saved_tensors
+    input, weight = ctx.saved_tensors[0], ctx.rrfp_weight
     name = _NAMES.get(weight, "<unnamed weight>")
     if ctx.sequence_parallel:
         raise NotImplementedError(f"wgrad: {name} uses sequence parallelism; deferring its weight gradient would "

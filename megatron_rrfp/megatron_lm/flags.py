@@ -36,8 +36,9 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
                             f"(default {DEFAULT_HINT})")
     group.add_argument("--rrfp-buffer-limit", type=buffer_type, default=DEFAULT_BUFFER_LIMIT,
                        help="activations in flight per stage before backpressure: an integer count of "
-                            "(microbatch, chunk) forwards, or a multiple of what Megatron's own schedule holds "
-                            f"('1x', '1.5x'; default {DEFAULT_BUFFER_LIMIT})")
+                            "(microbatch, chunk) forwards, a multiple of what Megatron's own schedule holds "
+                            "('1x', '1.5x'), or 'auto' (from 1x, each stage grows into the memory measured free "
+                            f"on its device; mcore/auto_limit.py); default {DEFAULT_BUFFER_LIMIT}")
     group.add_argument("--rrfp-strict", action="store_true",
                        help="run the hint as a fixed order (baseline in the same runtime)")
     group.add_argument("--rrfp-timeout", type=timeout_type, default=DEFAULT_TIMEOUT_S,

@@ -24,7 +24,9 @@ training-loop hooks", says why Megatron sees each wrapper and what differs by re
                                COLLECTIVE (a small all-gather) on every rank --, the report's
                                breakdown added to the rrfp-* timers (publish_to_timers), and
                                every --log-interval iterations and at --train-iters this
-                               rank's spans written to DIR/rrfp-rank{R}-iter{N}.json
+                               rank's spans written to DIR/rrfp-rank{R}-iter{N}.json and
+                               (rank 0) a line with the peak activation memory and forwards
+                               in flight, max over ranks (a 2-float all-gather)
 
 it = args.curr_iteration + 1 (1-based, the number Megatron logs); tokens = current global
 batch x --seq-length (whole job, not per rank); R = global rank, which is also the trace's
@@ -45,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
-from ..goodput.recorder import extend_timer_logging, open_recorder, publish_to_timers
+from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
 from ..trace.chrome import write_chrome_trace
 from . import hookpoints
 
@@ -108,7 +110,10 @@ class TraceWriter:
         metadata = {"source": "megatron-rrfp measured", "iteration": iteration, "rank": self.rank,
                     "stage": report.stage, "order": report.order_string, "wall_s": report.wall_s,
                     "compute_s": report.compute_s, "wait_s": report.wait_s,
-                    "backpressure_s": report.backpressure_s, "agree_s": report.agree_s, "flush_s": report.flush_s}
+                    "backpressure_s": report.backpressure_s, "agree_s": report.agree_s, "flush_s": report.flush_s,
+                    "peak_activation_bytes": report.peak_activation_bytes,
+                    "activation_measure": report.activation_measure, "peak_in_flight": report.peak_in_flight,
+                    "buffer_limit": report.buffer_limit}
         try:
             write_chrome_trace(report.spans, path, metadata=metadata,
                                rank_labels={self.rank: f"rank {self.rank} (stage {report.stage})"})
@@ -141,9 +146,12 @@ class _Run:
     def step_done(self, iteration: int, report, margs) -> None:
         self.recorder.iteration(iteration, tokens=hookpoints.tokens_per_iteration(margs), report=report)
         publish_to_timers(self.timers, report)
-        if self.traces is not None:
-            log_interval, last_iteration = hookpoints.trace_points(margs)
-            if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
+        log_interval, last_iteration = hookpoints.trace_points(margs)
+        if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
+            line = peak_memory_line(report, iteration, world=self.world)  # collective: every rank, same steps
+            if line:
+                print(line, flush=True)
+            if self.traces is not None:
                 self.traces.write(iteration, report)
 
     def end(self, error: Optional[BaseException]) -> None:

@@ -105,6 +105,22 @@ def resolve_buffer_limit(spec: LimitSpec, topology: Topology, num_microbatches: 
     return min(limit, cap)
 
 
+AUTO_MARGIN = 0.8
+"""``"auto"`` plans at most this share of a stage's measured memory budget (allocator
+fragmentation, per-microbatch size spread, transient buffers)."""
+
+
+def fit_to_budget(one_x: int, cap: int, *, bytes_per_forward: float, budget_bytes: float,
+                  margin: float = AUTO_MARGIN) -> int:
+    """``"auto"``'s limit: the most forwards in flight with ``limit x bytes_per_forward <=
+    margin x budget_bytes``, never below ``one_x`` (Megatron's own memory, which the
+    runtime's calibration iteration just ran in) nor above ``cap`` (M x C)."""
+    if bytes_per_forward <= 0:
+        return cap  # nothing is held per forward: memory does not bind
+    fits = math.floor(margin * max(0.0, budget_bytes) / bytes_per_forward)
+    return min(cap, max(one_x, fits))
+
+
 def describe_limit(spec: LimitSpec, topology: Topology, num_microbatches: int) -> str:
     """'12 (1.5x Megatron's 8)' — for reports."""
     limit = resolve_buffer_limit(spec, topology, num_microbatches)
@@ -112,5 +128,5 @@ def describe_limit(spec: LimitSpec, topology: Topology, num_microbatches: int) -
     return f"{limit} ({limit / one_x:.3g}x Megatron's {one_x})"
 
 
-__all__ = ["BufferLimitError", "LimitSpec", "check_limit_spec", "describe_limit", "megatron_peak_in_flight",
-           "parse_limit", "resolve_buffer_limit"]
+__all__ = ["AUTO_MARGIN", "BufferLimitError", "LimitSpec", "check_limit_spec", "describe_limit", "fit_to_budget",
+           "megatron_peak_in_flight", "parse_limit", "resolve_buffer_limit"]

@@ -23,6 +23,7 @@ from ..policy.arbiter import Arbiter
 from ..policy.topology import Topology
 from ..trace.chrome import Span
 from .agreement import TPAgreement
+from .memory import ActivationMeter
 from .report import BREAKDOWN_FIELDS, IterationReport
 
 
@@ -85,8 +86,10 @@ class PipelineIteration:
 
     def __init__(self, *, work: StageWork, arbiter: Arbiter, topology: Topology, stage: int,
                  stage_ranks: list[int], transport, inbox: Inbox, agreement: Optional[TPAgreement],
-                 timeout_s: float, forward_only: bool, record_spans: bool = False) -> None:
+                 timeout_s: float, forward_only: bool, record_spans: bool = False,
+                 memory: Optional[ActivationMeter] = None) -> None:
         self.work, self.arbiter, self.topology, self.stage = work, arbiter, topology, stage
+        self.memory = memory  # counts the messages waiting here as held activation memory
         self.stage_ranks, self.transport, self.inbox, self.agreement = stage_ranks, transport, inbox, agreement
         self.timeout_s, self.forward_only, self.record_spans = timeout_s, forward_only, record_spans
         self.rank = stage_ranks[stage]
@@ -171,11 +174,14 @@ class PipelineIteration:
             self._check_message(message)
             key = (message.microbatch, message.chunk)
             self._last_progress = time.monotonic()
+            tensor = message.wait()
+            if self.memory is not None:
+                self.memory.hold(tensor)
             if message.kind == "activation":
-                self.activations[key] = message.wait()
+                self.activations[key] = tensor
                 self.ready.add(Task(Kind.F, *key))
             else:
-                self.gradients[key] = message.wait()
+                self.gradients[key] = tensor
                 if key in self.forward_done:
                     self.ready.add(Task(Kind.B, *key))
 
@@ -213,7 +219,9 @@ class PipelineIteration:
         if task.kind is Kind.F:
             downstream = self.topology.downstream(self.stage, chunk)
             send = None if downstream is None else self._sender("activation", mb, downstream)
-            self.work.forward(task, self.activations.pop((mb, chunk), None), send)
+            received = self.activations.pop((mb, chunk), None)
+            self.work.forward(task, received, send)
+            self._released(received)
             self.forward_done.add((mb, chunk))
             if not self.forward_only and (downstream is None or (mb, chunk) in self.gradients):
                 self.ready.add(Task(Kind.B, mb, chunk))
@@ -221,7 +229,9 @@ class PipelineIteration:
             upstream = self.topology.upstream(self.stage, chunk)
             send = None if upstream is None else self._sender("gradient", mb, upstream)
             self.backwards_left -= 1
-            self.work.backward(task, self.gradients.pop((mb, chunk), None), send)
+            received = self.gradients.pop((mb, chunk), None)
+            self.work.backward(task, received, send)
+            self._released(received)
             if self.arbiter.split_backward:
                 self.ready.add(Task(Kind.W, mb, chunk))  # its weight gradients may now run
         else:
@@ -229,6 +239,10 @@ class PipelineIteration:
         end = time.time()
         self.report.compute_s += end - start
         self._span(str(task), task.kind.value, start, end)
+
+    def _released(self, tensor: Optional[torch.Tensor]) -> None:
+        if self.memory is not None and tensor is not None:
+            self.memory.release(tensor)  # what autograd saved of it stays counted by the meter
 
     def _sender(self, kind: str, mb: int, peer: tuple[int, int]) -> Callable[[torch.Tensor], None]:
         dst = self.stage_ranks[peer[0]]

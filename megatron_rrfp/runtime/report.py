@@ -24,8 +24,11 @@ class IterationReport:
     agree_s: float = 0.0  # inside TP agreement collectives
     agree_rounds: int = 0
     flush_s: float = 0.0  # waiting for the last sends to be taken by the peers
-    peak_in_flight: int = 0
+    peak_in_flight: int = 0  # (microbatch, chunk) forwards whose backward (W when split) had not run
     peak_deferred_wgrad_bytes: int = 0  # BFW: activations/grads held for deferred W tasks
+    peak_activation_bytes: int = 0  # over the schedule call, relative to its start (runtime/memory.py)
+    activation_measure: str = ""  # how: "cuda-allocator" or "saved-tensors"
+    buffer_limit: int = 0  # the arbiter's resolved limit on this stage (0: the limit did not apply)
     spans: list[Span] = field(default_factory=list)
 
     @property

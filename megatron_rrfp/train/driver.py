@@ -35,6 +35,7 @@ stops the remaining ranks within 10 s and exits non-zero (128 + signal for a kil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -63,6 +64,10 @@ class Run:
     layout: dict
     logs: bool
     """This rank prints the training log: last pipeline stage, first TP and DP rank."""
+    meter: Any = None
+    """runtime.memory.ActivationMeter around Megatron's own schedule (rrfp measures itself)."""
+    megatron_in_flight: int = 0
+    """Peak forwards in flight of Megatron's own (fixed) order on this stage."""
     iteration: int = 0
     consumed_samples: int = 0
 
@@ -76,6 +81,8 @@ class Step:
     grad_norm: Optional[float]
     lr: float
     data_wait_s: float
+    memory: tuple[int, int] = (0, 0)
+    """This rank's peak activation bytes and peak forwards in flight in the schedule call."""
     """Seconds this rank's forward steps spent waiting in next(data_iterator)."""
 
 
@@ -164,12 +171,24 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
     layout = {"world_size": dist.get_world_size(), **{k: getattr(cfg, k) for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "model", "num_layers", "hidden_size",
         "num_attention_heads", "vocab_size", "seq_length")}}
+    num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    meter = in_flight = None
+    if cfg.pipeline_schedule != "rrfp":  # measure Megatron's schedule from outside, like bench does
+        from ..policy.actions import peak_in_flight
+        from ..policy.hints import megatron_1f1b_order
+        from ..policy.topology import Topology
+        from ..runtime.memory import ActivationMeter, model_tensors
+
+        meter = ActivationMeter(device, persistent=model_tensors([model]))
+        in_flight = peak_in_flight(megatron_1f1b_order(
+            ps.get_pipeline_model_parallel_rank(), Topology(ps.get_pipeline_model_parallel_world_size()),
+            num_microbatches))
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, forward_backward=builders.build_schedule(cfg),
                forward_step=builders.forward_step_func(cfg),
                data=builders.build_data(cfg, dp_rank=ps.get_data_parallel_rank(), dp_size=dp, device=device),
-               num_microbatches=cfg.global_batch_size // (cfg.micro_batch_size * dp), layout=layout,
+               num_microbatches=num_microbatches, layout=layout,
                logs=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-               and ps.get_data_parallel_rank() == 0)
+               and ps.get_data_parallel_rank() == 0, meter=meter, megatron_in_flight=in_flight or 0)
 
 
 def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
@@ -197,15 +216,23 @@ def train_step(cfg: TrainConfig, run: Run) -> Step:
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     data = TimedIterator(run.data.microbatches(run.consumed_samples, run.num_microbatches))
-    losses = run.forward_backward(
-        forward_step_func=run.forward_step, data_iterator=data,
-        model=[run.model], num_microbatches=run.num_microbatches, seq_length=cfg.seq_length,
-        micro_batch_size=cfg.micro_batch_size, forward_only=False)
+    with run.meter or contextlib.nullcontext():
+        losses = run.forward_backward(
+            forward_step_func=run.forward_step, data_iterator=data,
+            model=[run.model], num_microbatches=run.num_microbatches, seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size, forward_only=False)
+    if run.meter is not None:
+        memory = (run.meter.peak_bytes, run.megatron_in_flight)
+    else:
+        from ..mcore.schedule import last_iteration_report
+
+        report = last_iteration_report()
+        memory = (report.peak_activation_bytes, report.peak_in_flight) if report is not None else (0, 0)
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     run.iteration += 1
     run.consumed_samples += cfg.global_batch_size
-    return Step(loss=_mean_loss(losses), grad_norm=grad_norm, lr=lr, data_wait_s=data.seconds)
+    return Step(loss=_mean_loss(losses), grad_norm=grad_norm, lr=lr, data_wait_s=data.seconds, memory=memory)
 
 
 def _mean_loss(losses: list) -> Optional[float]:
@@ -259,6 +286,7 @@ def loop(cfg: TrainConfig, run: Run, recorder) -> None:
 
     report = _iteration_report_func(cfg)
     window: list[tuple[Optional[float], float]] = []  # (loss, seconds) since the last log line
+    window_memory = [0, 0]  # this rank's peak activation bytes and forwards in flight since then
     while run.iteration < cfg.train_iters:
         number = run.iteration + 1
         recorder.iteration_start(number)
@@ -269,11 +297,13 @@ def loop(cfg: TrainConfig, run: Run, recorder) -> None:
         window.append((step.loss, time.perf_counter() - start))
         # Collective with a ledger and world > 1: every rank gets here once per iteration.
         recorder.iteration(number, tokens=cfg.global_batch_size * cfg.seq_length,  # whole job, not per rank
-                           report=report(), data_wait_s=step.data_wait_s)
+                           report=report(), data_wait_s=step.data_wait_s, memory=step.memory)
+        window_memory = [max(a, b) for a, b in zip(window_memory, step.memory)]
         if run.iteration % cfg.log_interval == 0 or run.iteration == cfg.train_iters:
+            memory = _max_over_ranks(window_memory)  # collective: every rank logs at the same iterations
             if run.logs:
-                print(_log_line(cfg, run, window, step.grad_norm, step.lr), flush=True)
-            window = []
+                print(_log_line(cfg, run, window, step.grad_norm, step.lr, memory), flush=True)
+            window, window_memory = [], [0, 0]
         at_end = run.iteration == cfg.train_iters
         if cfg.save and (at_end or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
             with recorder.checkpoint_save(run.iteration):  # "ok" only if the save did not raise
@@ -306,14 +336,27 @@ def _ledger_note(cfg: TrainConfig, recorder) -> None:
               "(see the LedgerWarning above); training was not affected", flush=True)
 
 
-def _log_line(cfg: TrainConfig, run: Run, window: list, grad_norm: Optional[float], lr: float) -> str:
+def _max_over_ranks(values: list) -> list:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _log_line(cfg: TrainConfig, run: Run, window: list, grad_norm: Optional[float], lr: float,
+              memory: Sequence[float] = (0, 0)) -> str:
     seconds = sum(s for _, s in window) / len(window)
     loss = sum(loss for loss, _ in window) / len(window)
     tokens_per_s = cfg.global_batch_size * cfg.seq_length / seconds  # all DP replicas together
     norm = f"{grad_norm:.4f}" if grad_norm is not None else "n/a"
     return (f"iteration {run.iteration:>6}/{cfg.train_iters} | schedule {cfg.pipeline_schedule} | "
             f"lm loss {loss:.6E} | grad norm {norm} | lr {lr:.3E} | "
-            f"iteration time {1e3 * seconds:.1f} ms | tokens/s {tokens_per_s:.1f}")
+            f"iteration time {1e3 * seconds:.1f} ms | tokens/s {tokens_per_s:.1f} | "
+            f"peak activations {memory[0] / 1e6:.2f} MB | in flight {memory[1]:.0f}")
 
 
 def write_trace(cfg: TrainConfig) -> None:
@@ -329,7 +372,11 @@ def write_trace(cfg: TrainConfig) -> None:
     report = last_iteration_report()
     spans = report.spans if report is not None else []
     rank = dist.get_rank()
-    meta = {"schedule": "rrfp", "hint": cfg.rrfp_hint, "iteration": cfg.train_iters}
+    meta = {"schedule": "rrfp", "hint": cfg.rrfp_hint, "iteration": cfg.train_iters,
+            "buffer_limit": cfg.rrfp_buffer_limit}
+    if report is not None:
+        meta.update(peak_activation_bytes=report.peak_activation_bytes, peak_in_flight=report.peak_in_flight,
+                    activation_measure=report.activation_measure, resolved_buffer_limit=report.buffer_limit)
     write_chrome_trace(spans, os.path.join(cfg.rrfp_trace_dir, f"rank{rank:05d}.json"), metadata=meta)
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(spans, gathered, dst=0)

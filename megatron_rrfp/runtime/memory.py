@@ -1,0 +1,179 @@
+"""Peak activation memory of one schedule call on one rank, measured the same way around
+any schedule (RRFP's executor, or Megatron-core's own schedules wrapped from outside)::
+
+    meter = ActivationMeter(device, persistent=model_tensors([model]))
+    with meter:
+        forward_backward(...)
+    meter.peak_bytes, meter.method
+
+CUDA (``method == "cuda-allocator"``): the peak of ``torch.cuda.max_memory_allocated``
+over the call, relative to what was allocated when it started. Entering resets the
+device's peak statistics (so Megatron-LM's own "max allocated" report afterwards covers
+the last schedule call onwards).
+
+CPU (``method == "saved-tensors"``): the exact bytes the iteration holds for backward,
+each tensor storage counted once however many holders it has:
+
+* every tensor autograd saves for backward inside the call (``saved_tensors_hooks``),
+  from the forward that saved it until autograd frees that node's saved tensors (after
+  its backward, or when its graph is dropped); a packed tensor is wrapped in a small
+  holder whose destruction is the release, so nothing lives longer than it would have;
+* what a schedule holds explicitly through ``hold`` / ``release``: received activations
+  and gradients waiting in RRFP's executor, inputs and output gradients a split
+  backward keeps for its deferred W (``mcore/wgrad.py``).
+
+Storages of ``persistent`` tensors (parameters, buffers) are never counted: they are not
+activations and outlive the iteration. Not counted either, in every schedule alike: a
+stage input no autograd node saves (both schedules keep it until its backward only to
+read its gradient; a transformer stage's first norm saves it anyway), data batches, and
+outputs on their way out (Megatron deallocates them once sent). Thread-safe: autograd may free saved tensors on
+its own threads, and the executor's transport delivers on others.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+
+CUDA_ALLOCATOR = "cuda-allocator"
+SAVED_TENSORS = "saved-tensors"
+
+
+def _storage_key(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(data pointer, bytes) of the tensor's storage; None if it has none worth counting."""
+    try:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) if nbytes else None
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta or wrapper tensors
+        return None
+
+
+def model_tensors(modules) -> list[torch.Tensor]:
+    """Parameters and buffers of ``modules``: what the meter must not count. Through
+    ``torch.nn.Module``'s own methods (megatron-core's DDP shadows ``buffers``)."""
+    return [t for m in modules for t in (*torch.nn.Module.parameters(m), *torch.nn.Module.buffers(m))]
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor while the meter is active.
+
+    Holds a detached alias (same storage; no grad_fn, so no reference cycle through the
+    node that saved it); its destruction is the moment autograd let the tensor go."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], meter: ActivationMeter) -> None:
+        self.tensor, self.key, self.meter = tensor.detach(), key, meter
+        meter._add(key)
+
+    def __del__(self) -> None:
+        self.meter._remove(self.key)
+
+
+class ActivationMeter:
+    """Peak activation bytes of one schedule call on this rank (see the module docstring).
+
+    A context manager; usable again for the next call. ``hold``/``release`` pair up per
+    tensor; both are no-ops under the CUDA allocator (which sees every byte anyway)."""
+
+    def __init__(self, device, *, persistent: Iterable[torch.Tensor] = ()) -> None:
+        self.device = torch.device(device)
+        self.method = CUDA_ALLOCATOR if self.device.type == "cuda" else SAVED_TENSORS
+        self._persistent = set()
+        if self.method == SAVED_TENSORS:
+            self._persistent = {key[0] for key in map(_storage_key, persistent) if key is not None}
+        self._lock = threading.Lock()
+        self._refs: dict[int, list[int]] = {}  # data pointer -> [holders, bytes]
+        self._held_explicitly: dict[int, list] = {}  # id(tensor) -> [storage key, holds]
+        self._hooks = None
+        self._base = 0
+        self.bytes = 0
+        """Bytes held right now (CPU)."""
+        self.peak_bytes = 0
+        """Peak over the last (or current) call, relative to its start."""
+
+    # -- the measured window ---------------------------------------------------------
+
+    def __enter__(self) -> ActivationMeter:
+        if self.method == CUDA_ALLOCATOR:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            with self._lock:
+                self._base = self.bytes
+                self.peak_bytes = 0
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.method == CUDA_ALLOCATOR:
+            self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
+        elif self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(*exc)
+
+    # -- explicit holdings ---------------------------------------------------------
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is kept for a later task (a waiting message, a deferred W's input).
+        Each ``hold`` of a tensor needs one ``release`` of it."""
+        if self.method != SAVED_TENSORS:
+            return
+        entry = self._held_explicitly.get(id(tensor))
+        if entry is not None:
+            entry[1] += 1
+            return
+        key = _storage_key(tensor)
+        if key is not None and key[0] not in self._persistent:
+            self._held_explicitly[id(tensor)] = [key, 1]
+            self._add(key)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """The holder of ``tensor`` let it go (consumed by its task, or dropped)."""
+        entry = self._held_explicitly.get(id(tensor))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._held_explicitly[id(tensor)]
+            self._remove(entry[0])
+
+    # -- accounting ----------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor):
+        key = _storage_key(tensor)
+        if key is None or key[0] in self._persistent:
+            return tensor
+        return _Saved(tensor, key, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _add(self, key: tuple[int, int]) -> None:
+        pointer, nbytes = key
+        with self._lock:
+            entry = self._refs.get(pointer)
+            if entry is None:
+                self._refs[pointer] = [1, nbytes]
+                self.bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.bytes - self._base)
+            else:
+                entry[0] += 1
+
+    def _remove(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            entry = self._refs.get(key[0])
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._refs[key[0]]
+                self.bytes -= entry[1]
+
+
+__all__ = ["CUDA_ALLOCATOR", "SAVED_TENSORS", "ActivationMeter", "model_tensors"]
