@@ -251,6 +251,25 @@ class StageTransport:
             log.warning("rank %d%s: close() left threads %s blocked; receives still expected "
                         "per source %s", self.rank, self._tag(), stuck, outstanding)
 
+    # ---- the executor's progress hooks: nothing to do, receiver threads deliver --------
+    state_words = 0
+    poll_interval = None
+
+    def local_state(self) -> tuple[int, ...]:
+        return ()
+
+    def advance(self, state: tuple[int, ...]) -> None:
+        pass
+
+    def can_dispatch(self) -> bool:
+        return True
+
+    def task_launched(self) -> None:
+        pass
+
+    def idle(self) -> bool:
+        return True  # flush() waits for the last sends
+
     def stats(self) -> TransportStats:
         with self._cv:
             return dataclasses.replace(self._stats)
