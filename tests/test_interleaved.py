@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 from test_executor import _check
 
-from helpers.interleaved import compare_interleaved
+from helpers.interleaved import compare_interleaved_transports
 from megatron_rrfp.dist.launcher import launch
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world,model", [(2, "gpt"), (4, "mlp")], ids=["pp2-gpt", "pp4-mlp"])
-def test_interleaved_two_chunks_match_megatron(world, model):
-    results = launch(compare_interleaved, world_size=world, vpp=2, timeout=360,
-                     kwargs={"model": model, "iterations": 2})
-    _check([[r] for r in results])
+@pytest.mark.parametrize("world,model,transports", [(2, "gpt", ("threads",)), (4, "mlp", ("threads", "rounds"))],
+                         ids=["pp2-gpt", "pp4-mlp"])
+def test_interleaved_two_chunks_match_megatron(world, model, transports):
+    # PP=4 also over the device transport's rounds (on gloo): the ring's closing pair led by stage 0
+    results = launch(compare_interleaved_transports, world_size=world, vpp=2, timeout=360,
+                     args=(transports,), kwargs={"model": model, "iterations": 2})
+    _check(results)

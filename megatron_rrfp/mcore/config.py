@@ -24,14 +24,19 @@ class RRFPConfig:
     """A rank with no progress for this long raises with a state dump (--rrfp-timeout)."""
     record_spans: bool = False
     """Keep per-task timestamps for traces (--rrfp-trace-dir turns it on)."""
+    transport: str = "auto"
+    """'rounds' (NCCL-safe rounds; CUDA's, and runs over gloo too), 'threads' (gloo threads,
+    host tensors) or 'auto' (rounds on CUDA, threads on CPU); see mcore/session.py."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s (--rrfp-timeout) must be > 0 seconds, got {self.timeout_s!r}")
+        if self.transport not in ("auto", "threads", "rounds"):
+            raise ValueError(f"transport must be 'auto', 'threads' or 'rounds', got {self.transport!r}")
 
     @classmethod
     def of(cls, **options) -> RRFPConfig:
-        """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=."""
+        """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=, transport=."""
         return cls().with_options(**options)
 
     def with_options(self, **options) -> RRFPConfig:

@@ -94,12 +94,13 @@ def forward_backward_rrfp(
     plan = Plan.build(options.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
     wgrad_store = weight_grad_store(models) if arbiter.split_backward else None
-    runtime = session(pp_ranks, groups.agreement_ranks, compat.pipeline_device(), options.timeout_s)
+    runtime = session(pp_ranks, groups.agreement_ranks, compat.pipeline_device(), options.timeout_s,
+                      options.transport)
     agreement = None
     if runtime.agreement_group is not None:
         agreement = TPAgreement(runtime.agreement_group, num_microbatches=num_microbatches,
                                 num_chunks=len(models), split_backward=arbiter.split_backward,
-                                forward_only=forward_only)
+                                forward_only=forward_only, device=runtime.device)
 
     is_last_stage = stage == len(pp_ranks) - 1
     embedding_module = None

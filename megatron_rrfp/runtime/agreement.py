@@ -127,7 +127,7 @@ class TPAgreement:
     """
 
     def __init__(self, group, *, num_microbatches: int, num_chunks: int, split_backward: bool,
-                 forward_only: bool) -> None:
+                 forward_only: bool, device: Optional[torch.device] = None) -> None:
         self.collective: Collective = group if hasattr(group, "all_gather") else GlooCollective(group)
         self.size = self.collective.size
         self.tasks = all_tasks(num_microbatches, num_chunks, split_backward=split_backward,
@@ -142,6 +142,7 @@ class TPAgreement:
         self._outstanding = False
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._device = device  # CUDA: the helper thread binds to it (no stray context on GPU 0)
 
     # -- the compute thread's API ------------------------------------------------------
 
@@ -218,6 +219,8 @@ class TPAgreement:
     # -- the helper thread ---------------------------------------------------------------
 
     def _serve(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._request is not None or self._closed)

@@ -180,15 +180,17 @@ class PipelineIteration:
         if self.agreement is not None:
             return self._agreed_task()
         while True:
-            self.transport.advance(self.transport.local_state())
+            state = self.transport.local_state()  # what advance() saw: a later record is a change
+            self.transport.advance(state)
             self._absorb()
             if self.arbiter.done and self.transport.idle():
                 return None
-            if not self.arbiter.done and self.transport.can_dispatch():
+            room = self.transport.can_dispatch()
+            if not self.arbiter.done and room:
                 task = self.arbiter.choose(self.ready)
                 if task is not None:
                     return task
-            self._wait_for_change(self._view())
+            self._wait_for_change((frozenset(self.ready), state, room))
 
     def _agreed_task(self) -> Optional[Task]:
         first, self._first_decision = self._first_decision, False
@@ -204,7 +206,7 @@ class PipelineIteration:
                 agreed = self._collect()
             else:
                 self._absorb()
-                seen, agreed = self._view(), self._exchange_now()
+                seen, agreed = self._exchange_now()
             # From here on only agreed (identical) values decide what happens next.
             words = self.transport.state_words
             self.transport.advance(agreed.state[:words])
@@ -254,14 +256,17 @@ class PipelineIteration:
         room = self.transport.can_dispatch()
         offer = (self.ready | enabled) if room else set()
         state = self._state()
-        self._posted_view = (frozenset(self.ready | enabled), self.transport.local_state(), room)
+        self._posted_view = (frozenset(self.ready | enabled), state[:self.transport.state_words], room)
         self.agreement.post(offer, state)
 
-    def _exchange_now(self) -> Agreed:
+    def _exchange_now(self) -> tuple[tuple, Agreed]:
+        """(the view it was offered from, the agreed result) of an exchange run now."""
         room = self.transport.can_dispatch()
+        state = self._state()
         start = time.time()
         try:
-            return self.agreement.exchange(set(self.ready) if room else set(), self._state())
+            seen = (frozenset(self.ready), state[:self.transport.state_words], room)
+            return seen, self.agreement.exchange(set(self.ready) if room else set(), state)
         except AgreementError:
             raise
         except Exception as exc:  # a peer died or hung past the agreement group's timeout
