@@ -38,6 +38,7 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
         Case(model="gpt", iterations=2, forward_only=True),
         Case(model="gpt", iterations=3, hint="bfw"),
         Case(model="mlp", iterations=2, variable_seq_lengths=True),
+        Case(model="gpt", iterations=2, hint="bfw", transport="rounds"),  # the device protocol, over gloo
     ]
     results = launch(run_cases, world_size=2, timeout=360, args=(cases,))
     _check([r[:2] + r[3:] for r in results])
@@ -58,7 +59,8 @@ def test_pp4_gpt_and_mlp():
 @pytest.mark.timeout(400)
 def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
     cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
-             Case(model="gpt", iterations=2, hint="bfw", late_rank=3)]
+             Case(model="gpt", iterations=2, hint="bfw", late_rank=3),
+             Case(model="mlp", iterations=2, late_rank=0, transport="rounds")]  # device protocol, agreed counters
     results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
     _check(results)
 
