@@ -112,7 +112,7 @@ class _WorkCompletion:
         return True
 
 
-class _EventCompletion:
+class EventCompletion:
     def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
 
@@ -157,10 +157,10 @@ class NcclDevice:
         ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t in recvs if t.numel()]
         return _WorkCompletion(dist.batch_isend_irecv(ops) if ops else [], cuda=True)
 
-    def mark(self) -> _EventCompletion:
+    def mark(self) -> EventCompletion:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return _EventCompletion(event)
+        return EventCompletion(event)
 
 
 class HostDevice(NcclDevice):
@@ -250,5 +250,5 @@ def create_channel_groups(pp_group_ranks: list[int], *, timeout: datetime.timede
     return create_directed_groups(pp_group_ranks, timeout=timeout, ring=ring, backend="gloo")
 
 
-__all__ = ["GlooHostChannel", "HostDevice", "NcclDevice", "create_channel_groups", "create_pair_groups",
-           "pipeline_pairs", "warm_up"]
+__all__ = ["EventCompletion", "GlooHostChannel", "HostDevice", "NcclDevice", "create_channel_groups",
+           "create_pair_groups", "pipeline_pairs", "warm_up"]
