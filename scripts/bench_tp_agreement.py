@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """TP agreement cost: what the compute thread loses to agreeing, and what the exchange costs.
 
-    python scripts/bench_tp_agreement.py [--f0-ms 20] [--microbatches 8] [--iterations 5] [--json PATH]
+    python scripts/bench_tp_agreement.py [--f0-ms 20] [--microbatches 8] [--iterations 5] [--pp 2] [--json PATH]
 
-Runs a GPT stage at TP=2 x PP=2 (4 gloo processes) with emulated device time (each F
+Runs a GPT stage at TP=2 x PP=2 (4 gloo processes; ``--pp 3`` adds a middle stage, whose
+bubbles are followed by an exchange) with emulated device time (each F
 sleeps f0, each B 2*f0, on top of the real compute) and reports, per rank (medians over
 the iterations after the first, as fractions of the iteration):
   * rounds          agreement exchanges per iteration (one per decision, plus re-rounds);
@@ -80,16 +81,19 @@ def main() -> None:
     parser.add_argument("--f0-ms", type=float, default=20.0, help="emulated forward time per stage (ms)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (TP is 2; 2 * PP processes)")
     parser.add_argument("--json", metavar="PATH", help="write the per-rank figures as JSON")
     args = parser.parse_args()
+    if args.pp < 2:
+        parser.error(f"--pp must be >= 2, got {args.pp}")
     for name in ("f0_ms", "microbatches", "iterations"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     from megatron_rrfp.dist.launcher import launch
 
-    results = launch(body, world_size=4, tp=2, pp=2, timeout=600,
+    results = launch(body, world_size=2 * args.pp, tp=2, pp=args.pp, timeout=900,
                      args=(args.f0_ms / 1000, args.microbatches, args.iterations))
-    print(f"TP=2 x PP=2, M={args.microbatches}, f0={args.f0_ms} ms, median of {args.iterations} iterations")
+    print(f"TP=2 x PP={args.pp}, M={args.microbatches}, f0={args.f0_ms} ms, median of {args.iterations} iterations")
     print(f"{'rank':>4} {'stage':>5} {'iter (s)':>9} {'rounds':>7} {'round (us)':>11} {'blocked':>8} "
           f"{'of which skew':>14} {'in collective':>14}")
     for r in results:
@@ -98,7 +102,7 @@ def main() -> None:
               f" {100 * r['in_collective_fraction']:>13.2f}%")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"layout": {"tp": 2, "pp": 2}, "microbatches": args.microbatches, "f0_ms": args.f0_ms,
+            json.dump({"layout": {"tp": 2, "pp": args.pp}, "microbatches": args.microbatches, "f0_ms": args.f0_ms,
                        "iterations": args.iterations, "ranks": results}, handle, indent=2)
         print(f"wrote {args.json}")
 

@@ -302,8 +302,12 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
         seen = {tuple(orders[rank_of(s, t)]) for t in range(job.tp)}
         if not errors and len(seen) != 1:
             problems.append(f"stage {s}: TP ranks ran different orders {seen}")
-    return EmulatedOutcome(job=job, completed=not problems, deadlock=deadlock,
-                           error=str(fabric.error) if deadlock else "; ".join(problems), orders=orders, wall_s=wall)
+    if deadlock:  # name a rank that failed on its own (not through the abort) first: that is the cause
+        own = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items())
+               if "device deadlock" not in str(e)]
+        problems = own[:1] + [str(fabric.error)]
+    return EmulatedOutcome(job=job, completed=not problems, deadlock=deadlock and len(problems) == 1,
+                           error="; ".join(problems), orders=orders, wall_s=wall)
 
 
 def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), chunks=(1, 2),

@@ -265,6 +265,7 @@ class ChannelHub:
         self.heap: list = []
         self.handlers: dict[int, tuple[Callable, Callable]] = {}
         self._last_due: dict = {}
+        self._early: dict = {}  # records for ranks without a handler yet, in order
         self._seq = itertools.count()
         self._stop = False
         threading.Thread(target=self._serve, daemon=True, name="channel-hub").start()
@@ -292,12 +293,20 @@ class ChannelHub:
                     self.cv.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
                 if self._stop:
                     return
-                due, seq, src, dst, rec = heapq.heappop(self.heap)
-                handler = self.handlers.get(dst)
-                if handler is None:  # that rank has not made its transport yet: try again shortly
-                    heapq.heappush(self.heap, (due + 0.001, seq, src, dst, rec))
+                item = heapq.heappop(self.heap)
+                handler = self.handlers.get(item[3])
+                if handler is None:  # that rank has not made its transport yet: keep the order
+                    self._early.setdefault(item[3], []).append(item)
                     continue
-            handler[0](src, rec)
+            handler[0](item[2], item[4])
+
+    def register(self, rank: int, on_record, on_error) -> None:
+        with self.cv:
+            self.handlers[rank] = (on_record, on_error)
+            now = time.monotonic()
+            for _, seq, src, dst, rec in self._early.pop(rank, []):  # in arrival order (seq breaks ties)
+                heapq.heappush(self.heap, (now, seq, src, dst, rec))
+            self.cv.notify()
 
 
 class EmulatedChannel:
@@ -305,7 +314,7 @@ class EmulatedChannel:
 
     def __init__(self, hub: ChannelHub, rank: int, on_record, on_error) -> None:
         self.hub, self.rank = hub, rank
-        hub.handlers[rank] = (on_record, on_error)
+        hub.register(rank, on_record, on_error)
 
     def post(self, dst: int, rec: list[int]) -> None:
         self.hub.post(self.rank, dst, rec)
