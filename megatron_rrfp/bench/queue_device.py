@@ -230,6 +230,7 @@ class ThreadCollective:
     class Group:
         def __init__(self, size: int) -> None:
             self.size, self.cv, self.rounds, self.error = size, threading.Condition(), {}, None
+            self.announced: dict = {}
 
         def abort(self, error: BaseException) -> None:
             with self.cv:
@@ -238,6 +239,20 @@ class ThreadCollective:
 
     def __init__(self, group: ThreadCollective.Group, index: int) -> None:
         self.group, self.index, self.size, self._round = group, index, group.size, 0
+        self._broadcasts = 0
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        g, k = self.group, self._broadcasts
+        self._broadcasts += 1
+        with g.cv:
+            if self.index == 0:
+                g.announced[k] = value.clone()
+                g.cv.notify_all()
+                return value
+            g.cv.wait_for(lambda: k in g.announced or g.error is not None)
+            if g.error is not None:
+                raise g.error
+            return g.announced[k].clone()
 
     def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         g, k = self.group, self._round

@@ -47,12 +47,16 @@ class AgreementError(RuntimeError):
 
 
 class Collective(Protocol):
-    """An all-gather over the ranks that must agree (index = rank in the group)."""
+    """The ranks that must agree (``index``: this rank's position in the group)."""
 
     size: int
+    index: int
 
     def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
-        """``mine`` (1-D uint8, same length everywhere) -> [size, len] of every rank's."""
+        """``mine`` (1-D, same length everywhere) -> [size, len] of every rank's."""
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        """Group rank 0's ``value`` on every rank; rank 0 returns at once, the others wait."""
 
 
 class GlooCollective:
@@ -61,11 +65,22 @@ class GlooCollective:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.index = dist.get_rank(group)
+        self._root = dist.get_global_rank(group, 0)
+        self._sent: list = []  # (work, tensor) of broadcasts rank 0 started
 
     def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         flat = torch.empty(self.size * mine.numel(), dtype=mine.dtype)
         dist.all_gather_into_tensor(flat, mine, group=self.group)
         return flat.view(self.size, mine.numel())
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+            self._sent.append((dist.broadcast(value, src=self._root, group=self.group, async_op=True), value))
+            return value
+        dist.broadcast(value, src=self._root, group=self.group)
+        return value
 
 
 def create_agreement_groups(my_group_ranks: Sequence[int], *,
@@ -90,6 +105,7 @@ class AgreementStats:
     rounds: int = 0  # exchanges
     blocking_rounds: int = 0  # of which run when the result was needed at once (not beside a task)
     followed: int = 0  # decisions taken without an exchange by following the one link still delivering
+    announced: int = 0  # decisions group rank 0 announced after a bubble (counted where they were heard)
     blocked_s: float = 0.0  # the compute thread waiting for an agreed result (critical path)
     peer_wait_s: float = 0.0  # part of blocked_s before the last TP peer had posted (its skew)
     collective_s: float = 0.0  # inside the all-gather on the helper thread, incl. waiting for peers
@@ -205,6 +221,32 @@ class TPAgreement:
         words = torch.tensor([self._dispatched, self._digest, time.time_ns(), *state], dtype=torch.int64)
         mine[n:] = words.view(torch.uint8)
         return mine, frozenset(ready), state
+
+    @property
+    def leads(self) -> bool:
+        """Group rank 0: decides after a bubble without hearing from the others (``announce``)."""
+        return self.collective.index == 0
+
+    def announce(self, task: Task) -> None:
+        """Group rank 0: tell the others the next task (returns at once)."""
+        self.collective.broadcast(self._decision(self.index[task]))
+
+    def listen(self) -> Task:
+        """The others: the task group rank 0 announced (blocks until it did)."""
+        start, wall = time.perf_counter(), time.time()
+        got = self.collective.broadcast(self._decision(-1)).tolist()
+        blocked = time.perf_counter() - start
+        self.stats.blocked_s += blocked
+        self.stats.peer_wait_s += min(blocked, max(0.0, got[3] / 1e9 - wall))
+        self.stats.announced += 1
+        if got[1:3] != [self._dispatched, self._digest]:
+            raise AgreementError(f"tensor-parallel ranks are out of lock-step: group rank 0 announced after "
+                                 f"dispatched={got[1]} digest={got[2]}, this rank has dispatched={self._dispatched} "
+                                 f"digest={self._digest}")
+        return self.tasks[got[0]]
+
+    def _decision(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, self._dispatched, self._digest, time.time_ns()], dtype=torch.int64)
 
     def commit(self, task: Task) -> None:
         self.stats.decisions += 1

@@ -221,18 +221,22 @@ class PipelineIteration:
             # else: we hold everything anyone holds; block in the next exchange instead
 
     def _choose_or_follow(self, common: frozenset, positions: tuple[int, ...]) -> Optional[Task]:
-        """The agreed choice from ``common``; if there is none and only one link can still
-        deliver, follow that link: every TP rank receives its messages in the same order
-        (a FIFO from a peer that runs the same tasks), so "what becomes choosable first"
-        is the same everywhere and needs no exchange. None: exchange again."""
+        """The agreed choice from ``common``. If there is none, a bubble: if only one link can
+        still deliver, follow it — every TP rank receives its messages in the same order (a
+        FIFO from a peer that runs the same tasks), so "what becomes choosable first" is the
+        same everywhere; else group rank 0 decides from what it holds once something is
+        choosable and announces it (a message it holds reaches every rank: the senders run
+        the same tasks). No exchange either way. None: exchange again."""
         if self.arbiter.done:
             return None
         task = self.arbiter.choose(common)
         if task is not None or self.transport.state_words:
             return task  # the device transport's readiness comes from agreed counters only
         pending = [(src, at) for src, at in zip(self._links, positions) if at < self._expected[src]]
-        if len(pending) != 1:
+        if not pending:
             return None
+        if len(pending) > 1:
+            return self._lead_or_listen(common)
         src, agreed_position = pending[0]
         candidates = set(common)
         for position in range(agreed_position, self._expected[src]):
@@ -247,6 +251,24 @@ class PipelineIteration:
                 self.agreement.stats.followed += 1
                 return task
         return None
+
+    def _lead_or_listen(self, common: frozenset) -> Task:
+        if self.agreement.leads:
+            chosen: list = []
+            self._await(lambda: bool(chosen.append(self.arbiter.choose(common | self.ready)) or chosen[-1]))
+            self.agreement.announce(chosen[-1])
+            return chosen[-1]
+        start = time.time()
+        try:
+            task = self.agreement.listen()
+        except AgreementError:
+            raise
+        except Exception as exc:  # the leader died or hung past the agreement group's timeout
+            raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
+        finally:
+            self._span("agree", "agree", start, time.time())
+        self._await(lambda: task in self.ready)  # its input is on its way to us
+        return task
 
     def _state(self) -> tuple[int, ...]:
         """Progress counters to agree on: the transport's, then messages received per link."""

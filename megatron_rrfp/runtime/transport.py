@@ -24,13 +24,14 @@ one at a time, in issue order, and a p2p group completes only while its peer's r
 produced, and its follower issues it only after the leader did; (2) both ends issue a
 pair's rounds in one order, each as one group, so opposite directions never wait on each
 other; (3) every TP rank issues rounds at the same points of its (agreed) task sequence,
-so TP collectives and rounds sit in one order on all of a stage's GPUs; (4) nothing else
-blocks: the host never waits for a round it has not issued the partner of (receives are
-only posted inside the round that carries their send), and it throttles itself by
-declining tasks, never by blocking. Then the union of all GPUs' issue orders is acyclic
-(on a line every chain of waits runs in one direction and ends at a pipeline end; the
-interleaved ring's closing pair is led by stage 0, which never has a ring round and a
-line round in flight together), so the earliest unfinished operation in that order can
+so TP collectives and rounds sit in one order on all of a stage's GPUs; (4) no other
+operation can wait on a partner: a receive exists only inside the round that carries its
+send, the compute stream waits only for rounds already issued, and the host throttles
+itself by declining tasks (it keeps issuing rounds), never by blocking. Then the union of
+all GPUs' issue orders is acyclic (on a line every chain of "waits for its partner, which
+is behind X" runs in one direction and ends at a pipeline end; the interleaved ring's
+closing pair is led by stage 0, which never has a ring round and a line round in flight
+together), so the earliest unfinished operation in that order can
 always run. ``rounds.py`` gives the details; ``tests/test_transport_emulated.py`` checks
 it against a single-queue device emulation, where the old early-receive protocol hangs.
 
