@@ -38,15 +38,16 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
         Case(model="gpt", iterations=2, forward_only=True),
         Case(model="gpt", iterations=3, hint="bfw"),
         Case(model="mlp", iterations=2, variable_seq_lengths=True),
+        Case(model="gpt", iterations=2, hint="bfw", transport="rounds"),  # the device protocol, over gloo
         Case(model="gpt", iterations=2, hint="zbh1", strict=True, max_task_delay_s=0.0),  # ZB-H1 as a baseline
         Case(model="gpt", iterations=2, hint="zbh1", buffer_limit="1x"),
         Case(model="gpt", iterations=2, hint="default", buffer_limit="1x"),
     ]
     results = launch(run_cases, world_size=2, timeout=360, args=(cases,))
-    _check([r[:2] + r[3:7] for r in results])
+    _check([r[:2] + r[3:8] for r in results])
     # eval: forwards only, order is free anyway; the default at 1x memory on PP=2 may well
     # run 1F1B's own order (the memory rule leaves it no room), but must match it exactly
-    _check([r[2:3] + r[7:] for r in results], expect_reordering=False)
+    _check([r[2:3] + r[8:] for r in results], expect_reordering=False)
     last = results[1]
     assert all(r[3]["peak_deferred_wgrad_bytes"] > 0 for r in results)  # BFW really deferred W
     assert any("W" in order for r in results for order in r[3]["orders"])
@@ -64,7 +65,8 @@ def test_pp4_gpt_and_mlp():
 def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
     cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
              Case(model="gpt", iterations=2, hint="bfw", late_rank=3),
-             Case(model="mlp", iterations=3, buffer_limit="auto")]  # TP ranks agree on auto's limit
+             Case(model="mlp", iterations=3, buffer_limit="auto"),  # TP ranks agree on auto's limit
+             Case(model="mlp", iterations=2, late_rank=0, transport="rounds")]  # device protocol, agreed counters
     results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
     _check(results)
 

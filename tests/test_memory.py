@@ -82,7 +82,8 @@ def test_meter_counts_each_saved_storage_once_until_autograd_frees_it():
 
 
 def test_bench_table_and_json_carry_memory():
-    from megatron_rrfp.bench.run import BenchConfig, format_table, summarize
+    from megatron_rrfp.bench.run import BenchConfig, summarize
+    from megatron_rrfp.bench.table import format_table
 
     config = BenchConfig(pipeline_size=2, num_microbatches=4, schedules=("megatron-1f1b", "rrfp-bf"), iterations=1,
                          warmup=0, buffer_limit="1.5x")

@@ -132,6 +132,7 @@ def _exchange(n: int, ring: bool, big_every: int = 0, megatron: bool = True) -> 
             assert _same(m.tensor, _payload(src, rank, m.microbatch, big_every
                                             and m.microbatch % big_every == 0))
     assert stats.messages_sent == stats.messages_received == n * len(nbrs)
+    assert stats.messages_sent < stats.rendezvous < 2 * stats.messages_sent  # sizes vary: some grow the buffer
     return {"stats": stats, "groups": sorted(groups)}
 
 
@@ -148,11 +149,43 @@ def world4() -> list:
         (_exchange, (), dict(n=150, ring=False, megatron=False)), (_interleaved, (2, 4), {})))
 
 
+def _one_frame_per_message(n: int) -> dict:
+    """PP=2, both directions: n messages of one shape, then one larger, then n more."""
+    import torch.distributed as dist
+
+    from megatron_rrfp.runtime.transport import create_directed_groups
+
+    rank = dist.get_rank()
+    peer = 1 - rank
+    inbox = _Inbox()
+    tr = StageTransport(rank=rank, groups=create_directed_groups([0, 1], timeout=TIMEOUT), device=torch.device("cpu"),
+                        on_message=inbox.put, on_error=inbox.fail, name="frames")
+    tr.expect(peer, 2 * n + 1)
+    shapes = [(4, 3)] * n + [(8, 3)] + [(4, 3)] * n
+    for i, shape in enumerate(shapes):
+        tr.send(peer, "activation" if rank == 0 else "gradient", i, 0, torch.full(shape, float(i)))
+    inbox.wait_for(len(shapes), timeout=60)
+    tr.flush(timeout=60)
+    stats = tr.stats()
+    tr.close()
+    got = [m for _, m in inbox.msgs]
+    assert [tuple(m.tensor.shape) for m in got] == shapes
+    assert all(torch.equal(m.tensor, torch.full(shapes[i], float(i))) for i, m in enumerate(got))
+    return {"rendezvous": stats.rendezvous, "messages": stats.messages_sent}
+
+
 @pytest.fixture(scope="module")
 def world2() -> list:
-    """2 ranks, no Megatron: PP=2 interleaved ring."""
+    """2 ranks, no Megatron: PP=2 interleaved ring, then one frame per message."""
     return launch(_phases, world_size=2, init_megatron=False, timeout=200, args=(
-        (_interleaved, (2, 4), {}),))
+        (_interleaved, (2, 4), {}), (_one_frame_per_message, (20,), {})))
+
+
+@pytest.mark.timeout(240)
+def test_a_message_of_a_known_size_costs_one_rendezvous(world2):
+    # the first message and the first larger one announce their size; every other is one frame
+    for phases in world2:
+        assert phases[1] == {"rendezvous": 41 + 2, "messages": 41}
 
 
 @pytest.mark.timeout(240)  # a safety net for loaded CI; ~40 s total when idle

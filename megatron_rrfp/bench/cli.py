@@ -55,7 +55,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     import shutil
 
     from ..sim.variability import Variability
-    from .run import BenchConfig, format_table, run_bench
+    from .run import BenchConfig, run_bench
+    from .table import format_table
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json!r}: its directory does not exist (checked now, not after the run)")

@@ -29,17 +29,22 @@ class RRFPConfig:
     activation_budget_bytes: Optional[int] = None
     """buffer_limit "auto" only: bytes each stage may fill with activations (default: what its
     device has free; mcore/auto_limit.py)."""
+    transport: str = "auto"
+    """'rounds' (NCCL-safe rounds; CUDA's, and runs over gloo too), 'threads' (gloo threads,
+    host tensors) or 'auto' (rounds on CUDA, threads on CPU); see mcore/session.py."""
 
     def __post_init__(self) -> None:
         budget = self.activation_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"activation_budget_bytes must be a positive integer (bytes), got {budget!r}")
         TIMEOUT_S.check("timeout_s (--rrfp-timeout, seconds)", self.timeout_s)
+        if self.transport not in ("auto", "threads", "rounds"):
+            raise ValueError(f"transport must be 'auto', 'threads' or 'rounds', got {self.transport!r}")
 
     @classmethod
     def of(cls, **options) -> RRFPConfig:
         """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=,
-        activation_budget_bytes=."""
+        activation_budget_bytes=, transport=."""
         return cls().with_options(**options)
 
     def with_options(self, **options) -> RRFPConfig:

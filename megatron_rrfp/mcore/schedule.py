@@ -99,7 +99,7 @@ def forward_backward_rrfp(
     stage = pp_ranks.index(dist.get_rank())
     topology = Topology(len(pp_ranks), len(models))
     device = compat.pipeline_device()
-    runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s)
+    runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s, options.transport)
     limit = auto_limit.call_limit(
         options, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
@@ -111,7 +111,7 @@ def forward_backward_rrfp(
     if runtime.agreement_group is not None:
         agreement = TPAgreement(runtime.agreement_group, num_microbatches=num_microbatches,
                                 num_chunks=len(models), split_backward=arbiter.split_backward,
-                                forward_only=forward_only)
+                                forward_only=forward_only, device=runtime.device)
 
     is_last_stage = stage == len(pp_ranks) - 1
     embedding_module = None

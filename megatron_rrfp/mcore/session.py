@@ -1,13 +1,23 @@
 """The persistent per-process runtime: process groups, transport and inbox.
 
-Created by the first schedule call (its group creation is collective over the world, and
-every rank reaches that call) and reused by every later one; ``shutdown()`` stops it
-before process groups are destroyed.
+Made once, before any training step if the integration calls ``start()`` right after
+model parallelism is initialised (else by the first schedule call, on the main thread);
+reused by every later call; ``shutdown()`` stops it before process groups are destroyed.
+Every group is created here, on every rank in the same order (``new_group`` is
+collective over the world), and the device transport's NCCL communicators are warmed up
+here too, pair by pair in one global order — not lazily inside the first step.
+
+Two transports (``RRFPConfig.transport``): ``threads`` (``runtime.transport``: gloo,
+host tensors — the CPU path) and ``rounds`` (``runtime.rounds``: NCCL on CUDA, built on
+NCCL's blocking semantics; also runs over gloo for checking it on CPU). ``auto`` picks
+rounds on CUDA and threads on CPU. The device transport's NCCL groups time out well after
+RRFP's own stall timeout, so RRFP's diagnosis prints before NCCL's watchdog aborts.
 
 Rebuilt, not reused, when it no longer fits (every rank sees the same thing, so every
 rank rebuilds in the same call, as the collective creation needs):
 * the default process group was destroyed and re-created (Megatron-LM's in-process
-  restart), or the pipeline / agreement ranks changed: its groups belong to the old world;
+  restart), or the pipeline / agreement ranks or the transport changed: its groups
+  belong to the old world;
 * the previous schedule call failed (``discard()``): messages of that iteration may still
   be on the wire or half-received, and only new groups guarantee none reaches the next.
 """
@@ -20,24 +30,63 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agreement import create_agreement_groups
+from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_channel_groups, create_pair_groups, warm_up
 from ..runtime.executor import Inbox
+from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit
+
+TRANSPORTS = ("auto", "threads", "rounds")
+CHANNEL_TIMEOUT = datetime.timedelta(days=7)  # a host-channel receive waits for records between steps
+
+
+def device_timeout(timeout_s: float) -> datetime.timedelta:
+    """NCCL's timeout: above RRFP's stall timeout, so RRFP's diagnosis always prints first."""
+    return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 300))
+
+
+def resolve_transport(transport: str, device: torch.device) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "auto":
+        return "rounds" if device.type == "cuda" else "threads"
+    if transport == "threads" and device.type == "cuda":
+        raise ValueError("transport='threads' carries host tensors over gloo and cannot run on CUDA; "
+                         "use 'rounds' (or 'auto')")
+    return transport
 
 
 class Session:
     def __init__(self, *, pp_ranks: list[int], agree_ranks: list[int], device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, transport: str = "auto") -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.key = _key(pp_ranks, agree_ranks, device)
+        self.kind = resolve_transport(transport, device)
+        self.key = _key(pp_ranks, agree_ranks, device, self.kind)
         self.world = dist.group.WORLD  # identity: a re-created default group is another object
         self.pp_ranks, self.device = pp_ranks, device
-        # Both are collective over the world: every rank reaches here in its first call.
-        self.groups = create_directed_groups(pp_ranks, timeout=timeout, ring=True)
-        self.agreement_group = create_agreement_groups(agree_ranks, timeout=timeout)
+        rank = dist.get_rank()
         self.inbox = Inbox()
-        self.transport = StageTransport(rank=dist.get_rank(), groups=self.groups, device=device,
-                                        on_message=self.inbox.put, on_error=self.inbox.fail)
+        # All collective over the world, in this order on every rank.
+        if self.kind == "threads":
+            self.groups = create_directed_groups(pp_ranks, timeout=timeout, ring=True)
+            self.agreement_group = create_agreement_groups(agree_ranks, timeout=timeout)
+            self.transport = StageTransport(rank=rank, groups=self.groups, device=device,
+                                            on_message=self.inbox.put, on_error=self.inbox.fail)
+            return
+        channel_groups = create_channel_groups(pp_ranks, timeout=CHANNEL_TIMEOUT, ring=True)
+        self.groups = create_pair_groups(pp_ranks, backend="nccl" if device.type == "cuda" else "gloo",
+                                         timeout=device_timeout(timeout_s), ring=True)
+        self.agreement_group = create_agreement_groups(agree_ranks, timeout=timeout)
+        warm_up(self.groups, pp_ranks, device)
+        payloads = NcclDevice(device, self.groups) if device.type == "cuda" else HostDevice(self.groups)
+
+        def channel(on_record, on_error):
+            return GlooHostChannel(rank=rank, groups=channel_groups, on_record=on_record, on_error=on_error,
+                                   device=device)
+
+        self.transport = RoundTransport(rank=rank, stage_of={r: i for i, r in enumerate(pp_ranks)},
+                                        neighbours=list(self.groups), device=payloads, channel_factory=channel,
+                                        on_message=self.inbox.put, on_error=self.inbox.fail, wake=self.inbox.wake)
 
     def close(self, timeout: float = 5.0) -> None:
         self.transport.close(timeout)
@@ -50,16 +99,19 @@ class Session:
 _session: Optional[Session] = None
 
 
-def _key(pp_ranks, agree_ranks, device) -> tuple:
-    return (tuple(pp_ranks), tuple(agree_ranks), str(device))
+def _key(pp_ranks, agree_ranks, device, kind) -> tuple:
+    return (tuple(pp_ranks), tuple(agree_ranks), str(device), kind)
 
 
-def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, timeout_s: float) -> Session:
+def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, timeout_s: float,
+            transport: str = "auto") -> Session:
     global _session
-    if _session is not None and not _session.fits(_key(pp_ranks, agree_ranks, device)):
+    if _session is not None and not _session.fits(_key(pp_ranks, agree_ranks, device,
+                                                              resolve_transport(transport, device))):
         discard()  # process groups re-created or re-laid out: this one's groups are stale
     if _session is None:
-        _session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s)
+        _session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s,
+                           transport=transport)
     return _session
 
 
@@ -71,6 +123,23 @@ def discard(timeout: float = 0.5) -> None:
     old, _session = _session, None
     if old is not None:
         old.close(timeout)
+
+
+def start(*, timeout_s: Optional[float] = None, transport: Optional[str] = None) -> Session:
+    """Create every group and warm the transport up now (call on every rank right after
+    ``initialize_model_parallel``, before the model takes its memory). Defaults come from
+    the process-wide ``RRFPConfig`` (``mcore.config.configure``)."""
+    from . import compat
+    from .config import defaults
+
+    options = defaults()
+    groups = compat.process_groups()
+    device = compat.pipeline_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return session(dist.get_process_group_ranks(groups.pp), groups.agreement_ranks, device,
+                   timeout_s if timeout_s is not None else options.timeout_s,
+                   transport if transport is not None else options.transport)
 
 
 def agreement_group():
@@ -87,4 +156,5 @@ def shutdown() -> None:
     auto_limit.reset()  # calibrations belong to the job that measured them
 
 
-__all__ = ["Session", "agreement_group", "session", "shutdown"]
+__all__ = ["Session", "TRANSPORTS", "agreement_group", "device_timeout", "discard", "resolve_transport", "session",
+           "shutdown", "start"]

@@ -2,12 +2,22 @@
 
 The paper proposes a microbatch, all-gathers the proposals and retries on disagreement —
 progress then depends on retry luck. Here each decision is ONE small all-gather of the
-ranks' ready sets (a byte per task) plus a digest of the arbiter state; every rank
-intersects the sets and feeds the *commonly ready* set to the same deterministic arbiter,
-so all ranks derive the same task without a second round. The digest verifies that the
-ranks really are in lock-step; a mismatch raises with every rank's view.
+ranks' ready sets (a byte per task), a digest of the arbiter state and the transport's
+progress counters; every rank intersects the sets and feeds the *commonly ready* set to
+the same deterministic arbiter, so all ranks derive the same task without a second round.
+The digest verifies that the ranks really are in lock-step; a mismatch raises with every
+rank's view.
 
-When nothing common is dispatchable, a rank that lacks a task some peer already has waits
+Off the critical path: the all-gather runs on a helper thread. When the executor
+dispatches a task it posts the exchange for the *next* decision at once, with the ready
+set as it will be once this task is done (what the task itself enables is known before it
+runs), so the collective runs while the task computes and the compute thread finds the
+agreed set waiting when the task ends. It blocks only when the exchange is not back yet
+(a TP peer is behind) or when the agreed set holds nothing dispatchable — then a fresh
+exchange follows. Every rank runs the same sequence of exchanges because whether another
+one follows is decided from the agreed (identical) result only.
+
+When nothing common is dispatchable, a rank that lacks something a peer already has waits
 for its own next arrival (it will come: the peers' producers ran the same tasks); a rank
 that has everything anyone has re-enters at once and blocks in the collective until the
 laggards catch up — no busy retry loop.
@@ -18,21 +28,59 @@ data, and a NCCL collective would force a device synchronisation per decision.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..policy.actions import Task, all_tasks
 
-_DIGEST_WORDS = 2  # dispatched count, rolling hash of the dispatched sequence
+_HEAD_WORDS = 3  # dispatched count, rolling hash of the dispatched sequence, post time (ns)
 
 
 class AgreementError(RuntimeError):
     """TP ranks diverged (a bug or a mismatched configuration): never silently continue."""
+
+
+class Collective(Protocol):
+    """The ranks that must agree (``index``: this rank's position in the group)."""
+
+    size: int
+    index: int
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` (1-D, same length everywhere) -> [size, len] of every rank's."""
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        """Group rank 0's ``value`` on every rank; rank 0 returns at once, the others wait."""
+
+
+class GlooCollective:
+    """``Collective`` over a torch.distributed (gloo) group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.index = dist.get_rank(group)
+        self._root = dist.get_global_rank(group, 0)
+        self._sent: list = []  # (work, tensor) of broadcasts rank 0 started
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(self.size * mine.numel(), dtype=mine.dtype)
+        dist.all_gather_into_tensor(flat, mine, group=self.group)
+        return flat.view(self.size, mine.numel())
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+            self._sent.append((dist.broadcast(value, src=self._root, group=self.group, async_op=True), value))
+            return value
+        dist.broadcast(value, src=self._root, group=self.group)
+        return value
 
 
 def create_agreement_groups(my_group_ranks: Sequence[int], *,
@@ -54,38 +102,191 @@ def create_agreement_groups(my_group_ranks: Sequence[int], *,
 @dataclass(slots=True)
 class AgreementStats:
     decisions: int = 0
-    rounds: int = 0
-    seconds: float = 0.0  # inside the collective, incl. waiting for slower peers
+    rounds: int = 0  # exchanges
+    blocking_rounds: int = 0  # of which run when the result was needed at once (not beside a task)
+    followed: int = 0  # decisions taken without an exchange by following the one link still delivering
+    announced: int = 0  # decisions group rank 0 announced after a bubble (counted where they were heard)
+    blocked_s: float = 0.0  # the compute thread waiting for an agreed result (critical path)
+    peer_wait_s: float = 0.0  # part of blocked_s before the last TP peer had posted (its skew)
+    collective_s: float = 0.0  # inside the all-gather on the helper thread, incl. waiting for peers
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed:
+    """One exchange's outcome, identical on every rank of the group (except ``mine``)."""
+
+    common: frozenset  # tasks ready on every rank
+    union: frozenset  # tasks ready on some rank
+    mine: frozenset  # what this rank offered
+    state: tuple[int, ...]  # per transport counter: its minimum over the ranks
+    state_max: tuple[int, ...]
+    my_state: tuple[int, ...]
+    last_post_s: float  # wall time (time.time()) at which the last rank posted its offer
+
+    @property
+    def lagging(self) -> bool:
+        """This rank lacks something a peer has: its own next arrival is what to wait for."""
+        return self.mine != self.union or self.my_state != self.state_max
+
+    @property
+    def unanimous(self) -> bool:
+        return self.common == self.union and self.state == self.state_max
 
 
 class TPAgreement:
-    """Decide the next task jointly with the other ranks of ``group``."""
+    """Decide the next task jointly with the other ranks of ``group`` (one per iteration).
 
-    def __init__(self, group: dist.ProcessGroup, *, num_microbatches: int, num_chunks: int,
-                 split_backward: bool, forward_only: bool) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
+    ``post()`` starts an exchange on the helper thread and returns at once; ``collect()``
+    returns its ``Agreed`` result (blocking only if it is not back yet); ``exchange()`` runs
+    one on the calling thread; ``commit(task)`` records the task every rank derived from
+    it. At most one exchange is outstanding; all of them form one sequence on the group.
+    """
+
+    def __init__(self, group, *, num_microbatches: int, num_chunks: int, split_backward: bool,
+                 forward_only: bool, device: Optional[torch.device] = None) -> None:
+        self.collective: Collective = group if hasattr(group, "all_gather") else GlooCollective(group)
+        self.size = self.collective.size
         self.tasks = all_tasks(num_microbatches, num_chunks, split_backward=split_backward,
                                forward_only=forward_only)
         self.index = {task: i for i, task in enumerate(self.tasks)}
         self.stats = AgreementStats()
         self._digest = 0
+        self._dispatched = 0
+        self._cv = threading.Condition()
+        self._request: Optional[tuple[torch.Tensor, frozenset, tuple]] = None
+        self._result: Optional[object] = None  # Agreed, or the exception the exchange raised
+        self._outstanding = False
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self._device = device  # CUDA: the helper thread binds to it (no stray context on GPU 0)
 
-    def exchange(self, ready: set[Task], dispatched: int) -> tuple[set[Task], set[Task]]:
-        """One collective: returns (commonly ready, ready on some rank)."""
+    # -- the compute thread's API ------------------------------------------------------
+
+    @property
+    def outstanding(self) -> bool:
+        return self._outstanding
+
+    def post(self, ready: set[Task], state: Sequence[int] = ()) -> None:
+        """Start the next exchange with this rank's ready set and progress counters
+        (``state``: the same number of counters on every rank; the result holds their
+        minimum and maximum over the ranks)."""
+        if self._outstanding:
+            raise RuntimeError("TPAgreement.post: the previous exchange was not collected")
+        request = self._offer(ready, state)
+        self._outstanding = True
+        with self._cv:
+            self._request, self._result = request, None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, daemon=True, name="rrfp-tp-agreement")
+                self._thread.start()
+            self._cv.notify_all()
+
+    def collect(self, timeout: Optional[float] = None) -> Agreed:
+        """The posted exchange's result; raises AgreementError if the ranks diverged, or
+        TimeoutError after ``timeout`` seconds (the exchange stays outstanding)."""
+        start, wall = time.perf_counter(), time.time()
+        with self._cv:
+            done = self._cv.wait_for(lambda: self._result is not None, timeout)
+            result = self._result
+        blocked = time.perf_counter() - start
+        self.stats.blocked_s += blocked
+        if not done:
+            raise TimeoutError(f"no agreement within {timeout}s")
+        self._outstanding = False
+        self._result = None
+        if isinstance(result, BaseException):
+            raise result
+        self.stats.peer_wait_s += min(blocked, max(0.0, result.last_post_s - wall))  # type: ignore[union-attr]
+        return result  # type: ignore[return-value]
+
+    def exchange(self, ready: set[Task], state: Sequence[int] = ()) -> Agreed:
+        """One blocking exchange, run on the calling thread: when the result is needed at
+        once, the hand-offs to and from the helper thread would only add latency."""
+        if self._outstanding:
+            raise RuntimeError("TPAgreement.exchange: the previous exchange was not collected")
+        start, wall = time.perf_counter(), time.time()
+        self.stats.blocking_rounds += 1
+        result = self._agree(*self._offer(ready, state))
+        blocked = time.perf_counter() - start
+        self.stats.blocked_s += blocked
+        self.stats.peer_wait_s += min(blocked, max(0.0, result.last_post_s - wall))
+        return result
+
+    def _offer(self, ready: set[Task], state: Sequence[int]) -> tuple[torch.Tensor, frozenset, tuple]:
+        state = tuple(int(s) for s in state)  # same length on every rank (derived from the layout)
         n = len(self.tasks)
-        mine = torch.zeros(n + _DIGEST_WORDS * 8, dtype=torch.uint8)
+        mine = torch.zeros(n + (_HEAD_WORDS + len(state)) * 8, dtype=torch.uint8)
         for task in ready:
             mine[self.index[task]] = 1
-        digest = torch.tensor([dispatched, self._digest], dtype=torch.int64)
-        mine[n:] = digest.view(torch.uint8)
-        flat = torch.empty(self.size * mine.numel(), dtype=torch.uint8)
+        words = torch.tensor([self._dispatched, self._digest, time.time_ns(), *state], dtype=torch.int64)
+        mine[n:] = words.view(torch.uint8)
+        return mine, frozenset(ready), state
+
+    @property
+    def leads(self) -> bool:
+        """Group rank 0: decides after a bubble without hearing from the others (``announce``)."""
+        return self.collective.index == 0
+
+    def announce(self, task: Task) -> None:
+        """Group rank 0: tell the others the next task (returns at once)."""
+        self.collective.broadcast(self._decision(self.index[task]))
+
+    def listen(self) -> Task:
+        """The others: the task group rank 0 announced (blocks until it did)."""
+        start, wall = time.perf_counter(), time.time()
+        got = self.collective.broadcast(self._decision(-1)).tolist()
+        blocked = time.perf_counter() - start
+        self.stats.blocked_s += blocked
+        self.stats.peer_wait_s += min(blocked, max(0.0, got[3] / 1e9 - wall))
+        self.stats.announced += 1
+        if got[1:3] != [self._dispatched, self._digest]:
+            raise AgreementError(f"tensor-parallel ranks are out of lock-step: group rank 0 announced after "
+                                 f"dispatched={got[1]} digest={got[2]}, this rank has dispatched={self._dispatched} "
+                                 f"digest={self._digest}")
+        return self.tasks[got[0]]
+
+    def _decision(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, self._dispatched, self._digest, time.time_ns()], dtype=torch.int64)
+
+    def commit(self, task: Task) -> None:
+        self.stats.decisions += 1
+        self._dispatched += 1
+        self._digest = (self._digest * 1_000_003 + self.index[task] + 1) % (1 << 61)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # -- the helper thread ---------------------------------------------------------------
+
+    def _serve(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._request is not None or self._closed)
+                if self._request is None:
+                    return
+                request, self._request = self._request, None
+            try:
+                result: object = self._agree(*request)
+            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+                result = exc
+            with self._cv:
+                self._result = result
+                self._cv.notify_all()
+            if isinstance(result, BaseException):
+                return
+
+    def _agree(self, mine: torch.Tensor, offered: frozenset, my_state: tuple) -> Agreed:
         start = time.perf_counter()
-        dist.all_gather_into_tensor(flat, mine, group=self.group)
-        out = flat.view(self.size, mine.numel())
-        self.stats.seconds += time.perf_counter() - start
+        out = self.collective.all_gather(mine)
+        self.stats.collective_s += time.perf_counter() - start
         self.stats.rounds += 1
-        digests = out[:, n:].contiguous().view(torch.int64).view(self.size, _DIGEST_WORDS)
+        n = len(self.tasks)
+        words = out[:, n:].contiguous().view(torch.int64).view(self.size, _HEAD_WORDS + len(my_state))
+        digests = words[:, :2]
         if not bool((digests == digests[0]).all()):
             views = "\n".join(
                 f"  group rank {r}: dispatched={int(digests[r, 0])} digest={int(digests[r, 1])} "
@@ -95,22 +296,12 @@ class TPAgreement:
         flags = out[:, :n]
         common = flags.min(dim=0).values.nonzero().flatten().tolist()
         union = flags.max(dim=0).values.nonzero().flatten().tolist()
-        return {self.tasks[i] for i in common}, {self.tasks[i] for i in union}
-
-    def decide(self, ready_snapshot: Callable[[], set[Task]], choose: Callable[[set[Task]], Optional[Task]],
-               dispatched: Callable[[], int], wait_for_change: Callable[[set[Task]], None]) -> Task:
-        """Loop until the group agrees on a task; returns it on every rank."""
-        while True:
-            local = ready_snapshot()
-            common, union = self.exchange(local, dispatched())
-            task = choose(common)
-            if task is not None:
-                self.stats.decisions += 1
-                self._digest = (self._digest * 1_000_003 + self.index[task] + 1) % (1 << 61)
-                return task
-            if local != union or common == union:
-                wait_for_change(local)  # something is on its way to us (or to everyone)
-            # else: we hold everything anyone holds; block in the next collective instead
+        state = words[:, _HEAD_WORDS:]
+        return Agreed(common=frozenset(self.tasks[i] for i in common),
+                      union=frozenset(self.tasks[i] for i in union), mine=offered,
+                      state=tuple(state.min(dim=0).values.tolist()) if my_state else (),
+                      state_max=tuple(state.max(dim=0).values.tolist()) if my_state else (),
+                      my_state=my_state, last_post_s=int(words[:, 2].max()) / 1e9)
 
 
-__all__ = ["AgreementError", "TPAgreement", "create_agreement_groups"]
+__all__ = ["Agreed", "AgreementError", "Collective", "GlooCollective", "TPAgreement", "create_agreement_groups"]

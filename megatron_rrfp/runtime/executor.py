@@ -8,6 +8,12 @@ particular microbatch — it waits only when nothing allowed is ready.
 
 Failure handling: a transport error (peer died) or ``timeout_s`` without any progress
 raises ``PipelineStallError`` carrying a dump of this rank's ready set and counters.
+
+The transport is driven from this loop at every decision: ``advance(state)`` lets it
+issue what the (agreed) progress counters allow (``round_transport.py`` issues device
+rounds there, so every TP rank issues them at the same point of its task sequence),
+``can_dispatch()`` keeps the host at most a few tasks ahead of the device, and a
+received tensor is waited for (``Message.wait()``) only when the task that uses it runs.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from ..policy.actions import Kind, Task, format_order
 from ..policy.arbiter import Arbiter
 from ..policy.topology import Topology
 from ..trace.chrome import Span
-from .agreement import TPAgreement
+from .agreement import Agreed, AgreementError, TPAgreement
 from .memory import ActivationMeter
 from .report import BREAKDOWN_FIELDS, IterationReport
 
@@ -41,6 +47,30 @@ class StageWork(Protocol):
     def weight(self, task: Task) -> None: ...
 
 
+class Transport(Protocol):
+    """What the loop needs from a transport (``transport.StageTransport``,
+    ``round_transport.RoundTransport``)."""
+
+    state_words: int  # length of local_state(): progress counters agreed across TP ranks
+    poll_interval: Optional[float]  # re-check this often while waiting (None: the inbox wakes us)
+
+    def send(self, dst: int, kind: str, microbatch: int, chunk: int, tensor: torch.Tensor) -> None: ...
+
+    def expect(self, src: int, count: int) -> None: ...
+
+    def local_state(self) -> tuple[int, ...]: ...
+
+    def advance(self, state: tuple[int, ...]) -> None: ...
+
+    def can_dispatch(self) -> bool: ...
+
+    def task_launched(self) -> None: ...
+
+    def idle(self) -> bool: ...
+
+    def flush(self, timeout: float) -> None: ...
+
+
 class Inbox:
     """Thread-safe mailbox between transport threads and the compute loop."""
 
@@ -48,6 +78,7 @@ class Inbox:
         self._cv = threading.Condition()
         self._messages: list = []
         self._error: Optional[BaseException] = None
+        self._woken = False
         self._closed = False
 
     def put(self, message) -> None:
@@ -77,8 +108,15 @@ class Inbox:
 
     def wait(self, timeout: float) -> None:
         with self._cv:
-            if not self._messages and self._error is None:
+            if not self._messages and self._error is None and not self._woken:
                 self._cv.wait(timeout)
+            self._woken = False
+
+    def wake(self) -> None:
+        """Wake the loop without a message (the transport has something to advance)."""
+        with self._cv:
+            self._woken = True
+            self._cv.notify()
 
 
 class PipelineIteration:
@@ -101,6 +139,12 @@ class PipelineIteration:
         self.report = IterationReport(rank=self.rank, stage=stage, order=arbiter.dispatched)
         self._last_progress = time.monotonic()
         self._t0 = 0.0
+        self._posted_view: tuple = ()
+        self._first_decision = True
+        self._expected: dict[int, int] = {}  # messages this iteration per source rank
+        self._links: list[int] = []
+        self._arrivals: dict[int, list] = {}  # per source, in arrival order: (kind, (mb, chunk))
+        self._initial: set[Task] = set()
 
     # -- the loop --------------------------------------------------------------------
 
@@ -110,53 +154,204 @@ class PipelineIteration:
         m = self.arbiter.num_microbatches
         if self.topology.is_first(self.stage, 0):
             self.ready.update(Task(Kind.F, mb, 0) for mb in range(m))
-        while not self.arbiter.done:
-            task = self._next_task()
-            self.ready.discard(task)
-            self.arbiter.record(task)
-            self._execute(task)
-            self._last_progress = time.monotonic()
+        self._initial = set(self.ready)
+        try:
+            while (task := self._next_task()) is not None:
+                self._dispatch(task)
+        finally:
+            if self.agreement is not None:
+                self.agreement.close()
         start = time.time()
         self.transport.flush(self.timeout_s)
         self.report.flush_s = time.time() - start
         self.report.wall_s = time.time() - self._t0
         self.report.peak_in_flight = self.arbiter.peak_in_flight
         if self.agreement is not None:
-            self.report.agree_s = self.agreement.stats.seconds
-            self.report.agree_rounds = self.agreement.stats.rounds
+            stats = self.agreement.stats
+            self.report.agree_s = stats.blocked_s
+            self.report.agree_rounds = stats.rounds
+            self.report.agree_collective_s = stats.collective_s
+            self.report.agree_peer_wait_s = stats.peer_wait_s
         return self.report
 
-    def _next_task(self) -> Task:
-        self._absorb()
+    def _dispatch(self, task: Task) -> None:
+        enabled = self._enabled_by(task)  # decided now, so the next offer can include it
+        self.ready.discard(task)
+        self.arbiter.record(task)
         if self.agreement is not None:
-            start = time.time()
-            before = self.agreement.stats.seconds
-            task = self.agreement.decide(self._ready_snapshot, self.arbiter.choose,
-                                         lambda: len(self.arbiter.dispatched), self._wait_for_change)
-            self._span("agree", "agree", start, start + (self.agreement.stats.seconds - before))
-            return task
+            self.agreement.commit(task)
+            self._absorb()
+            self._post_offer(enabled)  # the next decision's exchange runs while this task computes
+        self._execute(task, enabled)
+        self.transport.task_launched()
+        self._last_progress = time.monotonic()
+
+    def _next_task(self) -> Optional[Task]:
+        """The next task (the same on every rank of the TP group), or None when the
+        iteration is over here: every task dispatched, nothing left for the transport to issue."""
+        if self.agreement is not None:
+            return self._agreed_task()
         while True:
-            task = self.arbiter.choose(self.ready)
+            state = self.transport.local_state()  # what advance() saw: a later record is a change
+            self.transport.advance(state)
+            self._absorb()
+            if self.arbiter.done and self.transport.idle():
+                return None
+            room = self.transport.can_dispatch()
+            if not self.arbiter.done and room:
+                task = self.arbiter.choose(self.ready)
+                if task is not None:
+                    return task
+            self._wait_for_change((frozenset(self.ready), state, room))
+
+    def _agreed_task(self) -> Optional[Task]:
+        first, self._first_decision = self._first_decision, False
+        if first and not self.transport.state_words:
+            # Nothing of this iteration was sent yet, so the agreed view is known without an
+            # exchange: the first stage's forwards, every link at position 0.
+            task = self._choose_or_follow(frozenset(self._initial), (0,) * len(self._links))
             if task is not None:
                 return task
-            self._wait_for_change(set(self.ready))
+        while True:
+            if self.agreement.outstanding:  # posted when the last task was dispatched
+                seen = self._posted_view
+                agreed = self._collect()
+            else:
+                self._absorb()
+                seen, agreed = self._exchange_now()
+            # From here on only agreed (identical) values decide what happens next.
+            words = self.transport.state_words
+            self.transport.advance(agreed.state[:words])
+            self._absorb()
+            if self.arbiter.done and self.transport.idle():
+                return None
+            task = self._choose_or_follow(agreed.common, agreed.state[words:])
+            if task is not None:
+                return task
+            if agreed.lagging or agreed.unanimous:
+                self._wait_for_change(seen)  # something is on its way to us (or to everyone)
+            # else: we hold everything anyone holds; block in the next exchange instead
 
-    def _ready_snapshot(self) -> set[Task]:
+    def _choose_or_follow(self, common: frozenset, positions: tuple[int, ...]) -> Optional[Task]:
+        """The agreed choice from ``common``. If there is none, a bubble: if only one link can
+        still deliver, follow it — every TP rank receives its messages in the same order (a
+        FIFO from a peer that runs the same tasks), so "what becomes choosable first" is the
+        same everywhere; else group rank 0 decides from what it holds once something is
+        choosable and announces it (a message it holds reaches every rank: the senders run
+        the same tasks). No exchange either way. None: exchange again."""
+        if self.arbiter.done:
+            return None
+        task = self.arbiter.choose(common)
+        if task is not None or self.transport.state_words:
+            return task  # the device transport's readiness comes from agreed counters only
+        pending = [(src, at) for src, at in zip(self._links, positions) if at < self._expected[src]]
+        if not pending:
+            return None
+        if len(pending) > 1:
+            return self._lead_or_listen(common)
+        src, agreed_position = pending[0]
+        candidates = set(common)
+        for position in range(agreed_position, self._expected[src]):
+            self._await(lambda at=position: len(self._arrivals[src]) > at)
+            kind, key = self._arrivals[src][position]
+            if kind == "activation":
+                candidates.add(Task(Kind.F, *key))
+            elif key in self.forward_done:
+                candidates.add(Task(Kind.B, *key))
+            task = self.arbiter.choose(candidates)
+            if task is not None:
+                self.agreement.stats.followed += 1
+                return task
+        return None
+
+    def _lead_or_listen(self, common: frozenset) -> Task:
+        if self.agreement.leads:
+            chosen: list = []
+            self._await(lambda: bool(chosen.append(self.arbiter.choose(common | self.ready)) or chosen[-1]))
+            self.agreement.announce(chosen[-1])
+            return chosen[-1]
+        start = time.time()
+        try:
+            task = self.agreement.listen()
+        except AgreementError:
+            raise
+        except Exception as exc:  # the leader died or hung past the agreement group's timeout
+            raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
+        finally:
+            self._span("agree", "agree", start, time.time())
+        self._await(lambda: task in self.ready)  # its input is on its way to us
+        return task
+
+    def _state(self) -> tuple[int, ...]:
+        """Progress counters to agree on: the transport's, then messages received per link."""
+        return self.transport.local_state() + tuple(len(self._arrivals[src]) for src in self._links)
+
+    def _post_offer(self, enabled: set[Task]) -> None:
+        room = self.transport.can_dispatch()
+        offer = (self.ready | enabled) if room else set()
+        state = self._state()
+        self._posted_view = (frozenset(self.ready | enabled), state[:self.transport.state_words], room)
+        self.agreement.post(offer, state)
+
+    def _exchange_now(self) -> tuple[tuple, Agreed]:
+        """(the view it was offered from, the agreed result) of an exchange run now."""
+        room = self.transport.can_dispatch()
+        state = self._state()
+        start = time.time()
+        try:
+            seen = (frozenset(self.ready), state[:self.transport.state_words], room)
+            return seen, self.agreement.exchange(set(self.ready) if room else set(), state)
+        except AgreementError:
+            raise
+        except Exception as exc:  # a peer died or hung past the agreement group's timeout
+            raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
+        finally:
+            self._span("agree", "agree", start, time.time())
+
+    def _collect(self) -> Agreed:
+        start = time.time()
+        try:
+            while True:
+                idle = time.monotonic() - self._last_progress
+                if idle > self.timeout_s:
+                    raise PipelineStallError(self._diagnosis(
+                        f"no agreement from the tensor-parallel group for {idle:.1f}s (timeout {self.timeout_s}s)"))
+                try:
+                    return self.agreement.collect(timeout=min(1.0, self.timeout_s - idle + 0.01))
+                except TimeoutError:
+                    self._absorb()  # surfaces a transport failure while we wait
+                except (AgreementError, PipelineStallError):
+                    raise
+                except Exception as exc:
+                    raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
+        finally:
+            self._span("agree", "agree", start, time.time())
+
+    def _view(self) -> tuple:
+        """What can change the next decision: the ready set, the transport's counters and
+        whether the device has room for another task."""
+        return frozenset(self.ready), self.transport.local_state(), self.transport.can_dispatch()
+
+    def _wait_for_change(self, seen: tuple) -> None:
+        """Block until ``_view()`` differs from ``seen`` (or fail after timeout_s)."""
+        self._await(lambda: self._view() != seen)
+
+    def _await(self, condition: Callable[[], bool]) -> None:
+        """Absorb arrivals until ``condition()`` holds; the time is the stage's bubble."""
         self._absorb()
-        return set(self.ready)
-
-    def _wait_for_change(self, seen: set[Task]) -> None:
-        """Block until the ready set differs from ``seen`` (or fail after timeout_s)."""
+        if condition():
+            return
         start = time.time()
         blocked_by_limit = self.arbiter.memory_blocked(self.ready)
+        poll = self.transport.poll_interval or 1.0
         while True:
             self._absorb()
-            if self.ready != seen:
+            if condition():
                 break
             idle = time.monotonic() - self._last_progress
             if idle > self.timeout_s:
                 raise PipelineStallError(self._diagnosis(f"no progress for {idle:.1f}s (timeout {self.timeout_s}s)"))
-            self.inbox.wait(min(1.0, self.timeout_s - idle + 0.01))
+            self.inbox.wait(min(poll, self.timeout_s - idle + 0.01))
         end = time.time()
         if blocked_by_limit:
             self.report.backpressure_s += end - start
@@ -174,14 +369,14 @@ class PipelineIteration:
             self._check_message(message)
             key = (message.microbatch, message.chunk)
             self._last_progress = time.monotonic()
-            tensor = message.wait()
+            self._arrivals[message.src].append((message.kind, key))
             if self.memory is not None:
-                self.memory.hold(tensor)
-            if message.kind == "activation":
-                self.activations[key] = tensor
+                self.memory.hold(message.tensor)  # its buffer is held from now on, waited on or not
+            if message.kind == "activation":  # message.wait() only when its task runs
+                self.activations[key] = message
                 self.ready.add(Task(Kind.F, *key))
             else:
-                self.gradients[key] = tensor
+                self.gradients[key] = message
                 if key in self.forward_done:
                     self.ready.add(Task(Kind.B, *key))
 
@@ -213,32 +408,44 @@ class PipelineIteration:
 
     # -- executing one task ----------------------------------------------------------
 
-    def _execute(self, task: Task) -> None:
+    def _enabled_by(self, task: Task) -> set[Task]:
+        """What becomes ready once ``task`` ran (known before it runs)."""
+        mb, chunk = task.microbatch, task.chunk
+        if task.kind is Kind.F and not self.forward_only:
+            if self.topology.downstream(self.stage, chunk) is None or (mb, chunk) in self.gradients:
+                return {Task(Kind.B, mb, chunk)}
+        if task.kind is Kind.B and self.arbiter.split_backward:
+            return {Task(Kind.W, mb, chunk)}  # its weight gradients may then run
+        return set()
+
+    def _execute(self, task: Task, enabled: set[Task]) -> None:
         mb, chunk = task.microbatch, task.chunk
         start = time.time()
         if task.kind is Kind.F:
             downstream = self.topology.downstream(self.stage, chunk)
             send = None if downstream is None else self._sender("activation", mb, downstream)
-            received = self.activations.pop((mb, chunk), None)
+            received = self._take(self.activations, (mb, chunk))
             self.work.forward(task, received, send)
             self._released(received)
             self.forward_done.add((mb, chunk))
-            if not self.forward_only and (downstream is None or (mb, chunk) in self.gradients):
-                self.ready.add(Task(Kind.B, mb, chunk))
         elif task.kind is Kind.B:
             upstream = self.topology.upstream(self.stage, chunk)
             send = None if upstream is None else self._sender("gradient", mb, upstream)
             self.backwards_left -= 1
-            received = self.gradients.pop((mb, chunk), None)
+            received = self._take(self.gradients, (mb, chunk))
             self.work.backward(task, received, send)
             self._released(received)
-            if self.arbiter.split_backward:
-                self.ready.add(Task(Kind.W, mb, chunk))  # its weight gradients may now run
         else:
             self.work.weight(task)
+        self.ready |= enabled
         end = time.time()
         self.report.compute_s += end - start
         self._span(str(task), task.kind.value, start, end)
+
+    @staticmethod
+    def _take(received: dict, key: tuple[int, int]) -> Optional[torch.Tensor]:
+        message = received.pop(key, None)
+        return None if message is None else message.wait()  # right before its first use
 
     def _released(self, tensor: Optional[torch.Tensor]) -> None:
         if self.memory is not None and tensor is not None:
@@ -260,6 +467,9 @@ class PipelineIteration:
                 counts[self.stage_ranks[down[0]]] = counts.get(self.stage_ranks[down[0]], 0) + m
         for src, count in counts.items():
             self.transport.expect(src, count)
+        self._expected = counts
+        self._links = sorted(counts)
+        self._arrivals = {src: [] for src in counts}
 
     # -- diagnostics -----------------------------------------------------------------
 
@@ -278,4 +488,5 @@ class PipelineIteration:
                 f"  peers (stage -> rank): {dict(enumerate(self.stage_ranks))}")
 
 
-__all__ = ["BREAKDOWN_FIELDS", "Inbox", "IterationReport", "PipelineIteration", "PipelineStallError", "StageWork"]
+__all__ = ["BREAKDOWN_FIELDS", "Inbox", "IterationReport", "PipelineIteration", "PipelineStallError", "StageWork",
+           "Transport"]

@@ -21,8 +21,10 @@ class IterationReport:
     compute_s: float = 0.0
     wait_s: float = 0.0  # blocked on readiness: the pipeline bubble seen by this rank
     backpressure_s: float = 0.0  # blocked while forwards were ready but the buffer was full
-    agree_s: float = 0.0  # inside TP agreement collectives
+    agree_s: float = 0.0  # blocked on TP agreement (its exchanges run beside the tasks)
     agree_rounds: int = 0
+    agree_collective_s: float = 0.0  # inside the agreement all-gathers (helper thread), incl. peer skew
+    agree_peer_wait_s: float = 0.0  # part of agree_s spent until the slowest TP peer had posted
     flush_s: float = 0.0  # waiting for the last sends to be taken by the peers
     peak_in_flight: int = 0  # (microbatch, chunk) forwards whose backward (W when split) had not run
     peak_deferred_wgrad_bytes: int = 0  # BFW: activations/grads held for deferred W tasks

@@ -1,31 +1,50 @@
 """Message-driven asynchronous point-to-point transport between pipeline stages.
 
 Every activation / gradient travels as a ``Message`` (kind, microbatch, receiver's chunk,
-tensor, src). On the wire: a fixed-size int64 header, then the payload, both on a
-dedicated *directed* 2-rank process group (src -> dst carries one direction only), so a
-send and a receive of opposite directions never queue behind each other on one
-communicator (NCCL ordering deadlock) and per-pair FIFO order is simple on gloo.
+tensor, src) and is handed to ``on_message`` (the executor's inbox). Two transports:
 
-Threads, per ``StageTransport``: one sender per destination (a queue, blocking
-``dist.send``), one receiver per source (blocking ``dist.recv``, then ``on_message``).
-Blocking receives on
-threads are the only readiness signal that works on gloo: an ``irecv`` polled with
-``is_completed()`` stays False until ``wait()``. A receiver posts a receive only for
-messages announced with ``expect()``, so nothing is left posted at iteration end or exit.
-On gloo a send completes only once the peer has posted the matching receive (rendezvous),
-so ``flush()`` also waits for the peer's ``expect()``.
+* ``StageTransport`` (here): host tensors over gloo, the CPU path. One *directed* 2-rank
+  group per neighbour pair and direction, a sender thread per destination and a receiver
+  thread per source (blocking ``dist.send`` / ``dist.recv``: on gloo an ``irecv`` polled
+  with ``is_completed()`` stays False until ``wait()``). A message is ONE frame, the
+  int64 header followed by the payload bytes: gloo accepts a frame shorter than the posted
+  buffer, so the receiver posts a buffer as large as the largest payload seen on the link
+  and only a message larger than that costs a second rendezvous (a header-only frame
+  announcing the new size first; both ends grow in step, FIFO). A receiver posts only
+  receives announced with ``expect()``, so nothing is left posted at iteration end.
+* ``rounds.RoundTransport``: device tensors over NCCL, built for NCCL's semantics (a
+  send or receive kernel blocks its GPU queue until the peer's matching one runs; with
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream shares one hardware queue). Headers go
+  over a host channel; the payloads of one neighbour pair move in *rounds*: batched
+  ``batch_isend_irecv`` groups that both ends issue in the same order.
 
-Usage (all ranks)::
+Why the round protocol cannot deadlock (worst case: each GPU runs its operations strictly
+one at a time, in issue order, and a p2p group completes only while its peer's runs too):
+(1) a round is decided by the pair's lower stage (the leader) from messages already
+produced, and its follower issues it only after the leader did; (2) both ends issue a
+pair's rounds in one order, each as one group, so opposite directions never wait on each
+other; (3) every TP rank issues rounds at the same points of its (agreed) task sequence,
+so TP collectives and rounds sit in one order on all of a stage's GPUs; (4) no other
+operation can wait on a partner: a receive exists only inside the round that carries its
+send, the compute stream waits only for rounds already issued, and the host throttles
+itself by declining tasks (it keeps issuing rounds), never by blocking. Then the union of
+all GPUs' issue orders is acyclic (on a line every chain of "waits for its partner, which
+is behind X" runs in one direction and ends at a pipeline end; the interleaved ring's
+closing pair is led by stage 0, which never has a ring round and a line round in flight
+together), so the earliest unfinished operation in that order can
+always run. ``rounds.py`` gives the details; ``tests/test_transport_emulated.py`` checks
+it against a single-queue device emulation, where the old early-receive protocol hangs.
+
+Usage of ``StageTransport`` (all ranks)::
 
     groups = create_directed_groups(pp_ranks, timeout=datetime.timedelta(minutes=5))
-    tr = StageTransport(rank=rank, groups=groups, device=dev, on_message=buf.put,
-                        on_error=buf.fail)
+    tr = StageTransport(rank=rank, groups=groups, device=torch.device("cpu"),
+                        on_message=buf.put, on_error=buf.fail)
     tr.expect(prev_rank, num_microbatches); tr.send(next_rank, "activation", mb, 0, y)
     ...; tr.flush(60.0); tr.close()
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -45,6 +64,7 @@ MESSAGE_KINDS = ("activation", "gradient")
 MAX_DIMS = 8
 _MAGIC = 0x52524650_0001  # "RRFP", header format version 1
 HEADER_LEN = 6 + MAX_DIMS  # magic, kind, microbatch, chunk, dtype code, ndim, shape[8]
+HEADER_BYTES = HEADER_LEN * 8  # a multiple of 8: the payload after it is aligned for every dtype
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _DTYPE_CODE = {dt: code for code, dt in enumerate(_DTYPES)}
@@ -122,6 +142,28 @@ def header_from_fields(fields: list[int]) -> Header:
     return Header(MESSAGE_KINDS[kind], mb, chunk, _DTYPES[code], tuple(shape[:ndim]))
 
 
+def payload_bytes(header: Header) -> int:
+    numel = 1
+    for size in header.shape:
+        numel *= size
+    return numel * torch.empty((), dtype=header.dtype).element_size()
+
+
+def pack_frame(header: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """One uint8 frame: the header's bytes, then the (CPU) tensor's bytes."""
+    data = tensor.reshape(-1).view(torch.uint8)
+    frame = torch.empty(HEADER_BYTES + data.numel(), dtype=torch.uint8)
+    frame[:HEADER_BYTES] = header.view(torch.uint8)
+    frame[HEADER_BYTES:] = data
+    return frame
+
+
+def unpack_payload(frame: torch.Tensor, header: Header) -> torch.Tensor:
+    """The payload inside ``frame`` as a tensor of the header's dtype and shape (a view)."""
+    data = frame[HEADER_BYTES:HEADER_BYTES + payload_bytes(header)]
+    return data.view(header.dtype).view(header.shape)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     kind: str  # "activation" | "gradient"
@@ -129,30 +171,30 @@ class Message:
     chunk: int  # the receiver's model-chunk index (computed by the sender)
     tensor: torch.Tensor
     src: int  # global rank of the sender
-    ready_event: Optional[torch.cuda.Event] = None  # CUDA: recorded after the recv
+    ready_event: Optional[object] = None  # device transports: what to wait for before use
 
-    def wait(self, stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
-        """Order ``stream`` (default: current) after the receive; no-op on CPU."""
+    def wait(self) -> torch.Tensor:
+        """The tensor, safe to use on the current stream: device transports order the
+        current stream after the receive here (call it right before the tensor's first
+        use, not when the message arrives); no-op on the host transport."""
         if self.ready_event is not None:
-            stream = stream or torch.cuda.current_stream(self.tensor.device)
-            stream.wait_event(self.ready_event)
-            # Allocated on the comm stream: keep the block alive for work queued on `stream`.
-            self.tensor.record_stream(stream)
+            self.ready_event.wait()
         return self.tensor
 
 
 @dataclass(slots=True)
 class TransportStats:
     messages_sent: int = 0
-    bytes_sent: int = 0  # payload bytes; each message also carries HEADER_LEN * 8 header bytes
+    bytes_sent: int = 0  # payload bytes; each message also carries HEADER_BYTES header bytes
     messages_received: int = 0
     bytes_received: int = 0
     send_seconds: float = 0.0  # wall time inside send calls, incl. waiting for the peer's recv
     recv_seconds: float = 0.0  # wall time inside recv calls, incl. waiting for the peer's send
+    rendezvous: int = 0  # frames sent: one per message, two when a message outgrew the link's buffer
 
 
-def create_directed_groups(pp_group_ranks: list[int], *, timeout: datetime.timedelta, ring: bool = True
-                           ) -> dict[tuple[int, int], dist.ProcessGroup]:
+def create_directed_groups(pp_group_ranks: list[int], *, timeout: datetime.timedelta, ring: bool = True,
+                           backend: Optional[str] = None) -> dict[tuple[int, int], dist.ProcessGroup]:
     """Create one 2-rank group per directed neighbour pair of every pipeline.
 
     Collective over the whole world (``new_group`` must be called by every rank in the
@@ -178,7 +220,7 @@ def create_directed_groups(pp_group_ranks: list[int], *, timeout: datetime.timed
             pairs += [(a, b), (b, a)]
     groups = {}
     for a, b in dict.fromkeys(pairs):  # dedupe, keeping the same order on every rank
-        group = dist.new_group([a, b], timeout=timeout)
+        group = dist.new_group([a, b], timeout=timeout, backend=backend)
         if me in (a, b):
             groups[(a, b)] = group
     return groups
@@ -188,12 +230,11 @@ def create_directed_groups(pp_group_ranks: list[int], *, timeout: datetime.timed
 class _Outgoing:
     header: torch.Tensor
     tensor: torch.Tensor  # referenced until the payload send completed
-    ready: Optional[torch.cuda.Event]  # CUDA: recorded on the producer's stream
     on_sent: Optional[Callable[[], None]]
 
 
 class StageTransport:
-    """Asynchronous message transport of one pipeline rank (see module docstring).
+    """Asynchronous host-tensor (gloo) transport of one pipeline rank (module docstring).
 
     ``on_message`` / ``on_error`` run on transport threads, possibly concurrently: they
     must be thread-safe and quick. ``on_error`` is called at most once, with a
@@ -204,9 +245,11 @@ class StageTransport:
                  device: torch.device, on_message: Callable[[Message], None],
                  on_error: Callable[[BaseException], None], name: str = "") -> None:
         self.rank, self.device, self.name = rank, torch.device(device), name
+        if self.device.type != "cpu":
+            raise ValueError(f"StageTransport carries host tensors over gloo, got device {self.device}; "
+                             "device tensors go through megatron_rrfp.runtime.rounds.RoundTransport")
         self._groups = groups
         self._on_message, self._on_error = on_message, on_error
-        self._cuda = self.device.type == "cuda"
         self._cv = threading.Condition()  # guards everything below
         self._error: Optional[TransportError] = None
         self._closed = False
@@ -235,13 +278,9 @@ class StageTransport:
             raise ValueError(f"rank {self.rank}: tensor on {tensor.device}, transport on {self.device}")
         tensor = tensor.detach().contiguous()
         header = encode_header(kind, microbatch, chunk, tensor)
-        ready = None
-        if self._cuda:  # the comm stream must not read the tensor before its producer wrote it
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
         with self._cv:
             self._pending_sends += 1
-        self._queues[dst].put(_Outgoing(header, tensor, ready, on_sent))
+        self._queues[dst].put(_Outgoing(header, tensor, on_sent))
 
     def expect(self, src: int, count: int) -> None:
         """Let the receiver for ``src`` post ``count`` more receives."""
@@ -280,6 +319,25 @@ class StageTransport:
             log.warning("rank %d%s: close() left threads %s blocked; receives still expected "
                         "per source %s", self.rank, self._tag(), stuck, outstanding)
 
+    # ---- the executor's progress hooks: nothing to do, receiver threads deliver --------
+    state_words = 0
+    poll_interval = None
+
+    def local_state(self) -> tuple[int, ...]:
+        return ()
+
+    def advance(self, state: tuple[int, ...]) -> None:
+        pass
+
+    def can_dispatch(self) -> bool:
+        return True
+
+    def task_launched(self) -> None:
+        pass
+
+    def idle(self) -> bool:
+        return True  # flush() waits for the last sends
+
     def stats(self) -> TransportStats:
         with self._cv:
             return dataclasses.replace(self._stats)
@@ -290,21 +348,20 @@ class StageTransport:
 
     # ---- threads ----------------------------------------------------------------------
     def _send_loop(self, dst: int) -> None:
-        group, stream = self._groups[(self.rank, dst)], self._new_stream()
+        group = self._groups[(self.rank, dst)]
+        capacity = 0  # payload bytes the peer's posted buffer holds (grows in step with it)
         while True:
             item = self._queues[dst].get()
             if item is None or self._closed or self._error:
                 return
             try:
                 t0 = time.perf_counter()
-                with self._on(stream):
-                    if item.ready is not None:
-                        stream.wait_event(item.ready)
-                    dist.send(item.header.to(self.device), dst, group=group)
-                    if item.tensor.numel():
-                        dist.send(item.tensor, dst, group=group)
-                    if stream is not None:  # NCCL send returns once queued: wait for the wire
-                        stream.synchronize()
+                frame = pack_frame(item.header, item.tensor)
+                frames = 1
+                if frame.numel() - HEADER_BYTES > capacity:  # announce the larger frame first
+                    dist.send(frame[:HEADER_BYTES], dst, group=group)
+                    capacity, frames = frame.numel() - HEADER_BYTES, 2
+                dist.send(frame, dst, group=group)
                 elapsed = time.perf_counter() - t0
                 if item.on_sent is not None:
                     item.on_sent()
@@ -316,12 +373,14 @@ class StageTransport:
                 s.messages_sent += 1
                 s.bytes_sent += item.tensor.numel() * item.tensor.element_size()
                 s.send_seconds += elapsed
+                s.rendezvous += frames
                 self._pending_sends -= 1  # after on_sent: flush() implies every on_sent ran
                 if self._pending_sends == 0:  # only flush() waits on this; waking it per
                     self._cv.notify_all()     # message costs a GIL hand-off each time
 
     def _recv_loop(self, src: int) -> None:
-        group, stream = self._groups[(src, self.rank)], self._new_stream()
+        group = self._groups[(src, self.rank)]
+        capacity = 0  # payload bytes of the buffer posted for the next frame
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._expected[src] or self._closed or self._error)
@@ -330,22 +389,20 @@ class StageTransport:
             header: object = "(header not yet received)"
             try:
                 t0 = time.perf_counter()
-                with self._on(stream):
-                    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                    dist.recv(raw, src, group=group)
-                    header = decode_header(raw.cpu())  # CUDA: syncs the comm stream
-                    payload = torch.empty(header.shape, dtype=header.dtype, device=self.device)
-                    if payload.numel():
-                        dist.recv(payload, src, group=group)
-                    ready = None
-                    if stream is not None:
-                        ready = torch.cuda.Event()
-                        ready.record(stream)
+                frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
+                dist.recv(frame, src, group=group)
+                header = decode_header(frame[:HEADER_BYTES].view(torch.int64))
+                if payload_bytes(header) > capacity:  # a header-only frame: the message follows
+                    capacity = payload_bytes(header)
+                    frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
+                    dist.recv(frame, src, group=group)
+                    header = decode_header(frame[:HEADER_BYTES].view(torch.int64))
+                payload = unpack_payload(frame, header)
                 elapsed = time.perf_counter() - t0
             except BaseException as exc:
                 self._fail("recv from", src, header, exc)
                 return
-            msg = Message(header.kind, header.microbatch, header.chunk, payload, src, ready)
+            msg = Message(header.kind, header.microbatch, header.chunk, payload, src)
             with self._cv:
                 s = self._stats
                 s.messages_received += 1
@@ -387,12 +444,3 @@ class StageTransport:
 
     def _tag(self) -> str:
         return f" [{self.name}]" if self.name else ""
-
-    def _new_stream(self) -> Optional[torch.cuda.Stream]:
-        # One stream per thread: NCCL ops of different peers on one stream would serialize
-        # on the GPU, re-creating the cross-direction ordering deadlock the groups avoid.
-        return torch.cuda.Stream(device=self.device) if self._cuda else None
-
-    @staticmethod
-    def _on(stream: Optional[torch.cuda.Stream]):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -44,6 +44,8 @@ class Case:
     """mlp only: every microbatch has its own sequence length (config.variable_seq_lengths)."""
     per_token_loss: bool = False
     """config.calculate_per_token_loss: finalize_model_grads divides by the total token count."""
+    transport: str = "auto"
+    """RRFPConfig.transport: 'rounds' runs the device (NCCL) protocol over gloo."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -156,7 +158,7 @@ def compare_with_megatron(case: Case) -> dict:
         from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
     options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
-                            timeout_s=case.timeout_s)
+                            timeout_s=case.timeout_s, transport=case.transport)
     task_delay = (lambda task: rng.uniform(0.0, case.max_task_delay_s)) if case.max_task_delay_s else None
     message_delay = (lambda message: case.late_delay_s) if case.late_rank == rank else None
     stage = parallel_state.get_pipeline_model_parallel_rank()

@@ -10,7 +10,7 @@ import random
 
 
 def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
-                        max_task_delay_s: float = 0.01, seed: int = 0) -> dict:
+                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
@@ -52,7 +52,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     step = models.gpt_forward_step if model == "gpt" else mlp.mlp_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
-    options = RRFPConfig(timeout_s=60)
+    options = RRFPConfig(timeout_s=60, transport=transport)
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
@@ -87,3 +87,8 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     return {"rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "orders": orders,
             "megatron_order": megatron_order, "num_losses": num_losses, "peak_in_flight": max(peaks),
             "losses_megatron": [], "losses_rrfp": []}
+
+
+def compare_interleaved_transports(transports: tuple[str, ...], **kwargs) -> list[dict]:
+    """``compare_interleaved`` once per transport, in one launch."""
+    return [compare_interleaved(transport=transport, **kwargs) for transport in transports]

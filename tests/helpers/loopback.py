@@ -61,6 +61,25 @@ class LoopbackTransport:
     def flush(self, timeout: float) -> None:
         pass
 
+    # the executor's progress hooks (runtime.executor.Transport): nothing to advance
+    state_words = 0
+    poll_interval = None
+
+    def local_state(self) -> tuple:
+        return ()
+
+    def advance(self, state: tuple) -> None:
+        pass
+
+    def can_dispatch(self) -> bool:
+        return True
+
+    def task_launched(self) -> None:
+        pass
+
+    def idle(self) -> bool:
+        return True
+
 
 class RecordingWork:
     """F sends ``input + 1`` downstream, B sends the gradient upstream; all log globally."""

@@ -1,0 +1,342 @@
+"""A stand-in GPU per rank with ONE in-order queue, to check transports without a GPU.
+
+The worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and NCCL's blocking kernels: every
+operation a rank issues — compute, its tensor-parallel collectives, point-to-point sends
+and receives, events — enters one FIFO and runs only when it reaches the head. A compute
+op takes its duration; a collective completes when every member has it at the head; a
+send and its receive (or the two ends of a batched round) complete only while both are
+at their heads. Nothing overtakes anything. A real GPU is never worse than this.
+
+``QueueFabric`` is the device thread serving every rank's queue; it declares a deadlock
+when the queues hold work, no op has started, finished or been issued for ``quiet_s``,
+and every head is a communication op waiting for its partner — and then fails every
+waiter (``on_abort`` callbacks) so the ranks' executors raise instead of hanging.
+
+``EmulatedDevice`` (``rounds.Device``), ``EmulatedChannel`` (``rounds.HostChannel``, with
+random FIFO latency) and ``ThreadCollective`` (``agreement.Collective``) let the shipped
+``RoundTransport``, ``TPAgreement`` and executor run on it unchanged, one thread per rank.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class DeviceDeadlock(RuntimeError):
+    """Every queue's head waits for a partner that cannot reach its own head."""
+
+
+@dataclass(eq=False)
+class Op:
+    rank: int
+    kind: str  # compute | collective | round | send | recv | marker
+    key: tuple = ()  # what must meet: (group, seq) / (pair, index) / (channel, seq)
+    duration: float = 0.0
+    run: Optional[Callable[[], None]] = None  # at completion, on the device thread
+    tensors: list = field(default_factory=list)  # round: sends; send: [tensor]; recv: [buffer]
+    buffers: list = field(default_factory=list)  # round: receive buffers
+    started: Optional[float] = None
+    finished: bool = False
+
+    def describe(self) -> str:
+        return f"{self.kind}{self.key}" if self.key else self.kind
+
+
+class OpCompletion:
+    """``rounds.Completion`` of one queued op."""
+
+    def __init__(self, fabric: QueueFabric, op: Op) -> None:
+        self.fabric, self.op = fabric, op
+
+    def done(self) -> bool:
+        return self.op.finished
+
+    def wait(self) -> None:
+        pass  # later work of this rank is behind it in the same queue
+
+    def synchronize(self, timeout: float) -> bool:
+        return self.fabric.wait_for(self.op, timeout)
+
+
+class QueueFabric:
+    def __init__(self, ranks, *, quiet_s: float = 1.5) -> None:
+        self.queues: dict[int, deque] = {r: deque() for r in ranks}
+        self.quiet_s = quiet_s
+        self.cv = threading.Condition()
+        self.members: dict = {}  # collective group -> ranks
+        self.error: Optional[DeviceDeadlock] = None
+        self.completed = 0
+        self.on_abort: list[Callable[[BaseException], None]] = []
+        self._last_activity = time.monotonic()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="queue-fabric")
+        self._thread.start()
+
+    # -- host side ------------------------------------------------------------------
+    def issue(self, op: Op) -> OpCompletion:
+        with self.cv:
+            if self.error is not None:
+                raise self.error
+            self.queues[op.rank].append(op)
+            self._last_activity = time.monotonic()
+            self.cv.notify_all()
+        return OpCompletion(self, op)
+
+    def wait_for(self, op: Op, timeout: Optional[float]) -> bool:
+        with self.cv:
+            self.cv.wait_for(lambda: op.finished or self.error is not None, timeout)
+            if self.error is not None and not op.finished:
+                raise self.error
+            return op.finished
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        self._thread.join(5)
+
+    # -- the device thread ----------------------------------------------------------
+    def _serve(self) -> None:
+        with self.cv:
+            while not self._stop and self.error is None:
+                now = time.monotonic()
+                progressed, next_due = self._step(now)
+                if progressed:
+                    self._last_activity = now
+                    self.cv.notify_all()
+                    continue
+                if any(self.queues.values()) and now - self._last_activity > self.quiet_s and self._all_blocked():
+                    self._abort(now)
+                    return
+                self.cv.wait(min(0.05, max(0.0, next_due - now)) if next_due else 0.05)
+
+    def _step(self, now: float) -> tuple[bool, Optional[float]]:
+        progressed, next_due = False, None
+        heads = {r: q[0] for r, q in self.queues.items() if q}
+        for op in heads.values():
+            if op.kind in ("compute", "marker"):
+                if op.started is None:
+                    op.started = now
+                    progressed = True
+                if now >= op.started + op.duration:
+                    self._finish(op)
+                    progressed = True
+                else:
+                    due = op.started + op.duration
+                    next_due = due if next_due is None else min(next_due, due)
+        for op in self._matches(heads):
+            self._finish(op)
+            progressed = True
+        return progressed, next_due
+
+    def _matches(self, heads: dict[int, Op]) -> list[Op]:
+        done = []
+        by_key: dict = {}
+        for op in heads.values():
+            if op.kind in ("collective", "round", "send", "recv"):
+                by_key.setdefault((op.kind in ("send", "recv"),) + op.key, []).append(op)
+        for ops in by_key.values():
+            first = ops[0]
+            if first.kind == "collective" and len(ops) == len(self.members[first.key[0]]):
+                done += ops
+            elif first.kind == "round" and len(ops) == 2:
+                a, b = ops
+                self._copy(a.tensors, b.buffers)
+                self._copy(b.tensors, a.buffers)
+                done += ops
+            elif first.kind in ("send", "recv") and len(ops) == 2:
+                send, recv = ops if ops[0].kind == "send" else ops[::-1]
+                self._copy(send.tensors, recv.tensors)
+                done += ops
+        return done
+
+    @staticmethod
+    def _copy(sources: list, targets: list) -> None:
+        if [tuple(t.shape) for t in sources] != [tuple(t.shape) for t in targets]:
+            raise DeviceDeadlock(f"mismatched transfer: {[tuple(t.shape) for t in sources]} -> "
+                                 f"{[tuple(t.shape) for t in targets]}")
+        for source, target in zip(sources, targets):
+            target.copy_(source)
+
+    def _finish(self, op: Op) -> None:
+        self.queues[op.rank].popleft()
+        op.finished = True
+        self.completed += 1
+        if op.run is not None:
+            op.run()
+
+    def _all_blocked(self) -> bool:
+        return all(q[0].kind in ("collective", "round", "send", "recv") for q in self.queues.values() if q)
+
+    def _abort(self, now: float) -> None:
+        heads = "; ".join(f"rank {r}: {q[0].describe()} (+{len(q) - 1} queued)"
+                          for r, q in sorted(self.queues.items()) if q)
+        self.error = DeviceDeadlock(f"device deadlock: no progress for {now - self._last_activity:.1f}s, every "
+                                    f"head waits for a partner: {heads}")
+        self.cv.notify_all()
+        for abort in list(self.on_abort):
+            threading.Thread(target=abort, args=(self.error,), daemon=True).start()
+
+
+class EmulatedDevice:
+    """``rounds.Device`` of one rank on a ``QueueFabric``."""
+
+    def __init__(self, fabric: QueueFabric, rank: int) -> None:
+        self.fabric, self.rank = fabric, rank
+        self._rounds: dict[int, int] = {}
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def exchange(self, peer: int, sends: list, recvs: list) -> OpCompletion:
+        index = self._rounds.get(peer, 0)
+        self._rounds[peer] = index + 1
+        return self.fabric.issue(Op(self.rank, "round", (min(self.rank, peer), max(self.rank, peer), index),
+                                    tensors=list(sends), buffers=list(recvs)))
+
+    def mark(self) -> OpCompletion:
+        return self.fabric.issue(Op(self.rank, "marker"))
+
+    def compute(self, duration: float, run: Optional[Callable[[], None]] = None) -> OpCompletion:
+        return self.fabric.issue(Op(self.rank, "compute", duration=duration, run=run))
+
+
+class TPGroupOps:
+    """The TP collectives a stage issues inside its tasks (each one a queue op)."""
+
+    def __init__(self, fabric: QueueFabric, name, ranks) -> None:
+        self.fabric, self.name = fabric, name
+        fabric.members[name] = list(ranks)
+        self._seq = {r: 0 for r in ranks}
+
+    def all_reduce(self, rank: int) -> OpCompletion:
+        seq = self._seq[rank]
+        self._seq[rank] += 1
+        return self.fabric.issue(Op(rank, "collective", (self.name, seq)))
+
+
+class ThreadCollective:
+    """``agreement.Collective`` between threads of one process (one instance per rank)."""
+
+    class Group:
+        def __init__(self, size: int) -> None:
+            self.size, self.cv, self.rounds, self.error = size, threading.Condition(), {}, None
+            self.announced: dict = {}
+
+        def abort(self, error: BaseException) -> None:
+            with self.cv:
+                self.error = error
+                self.cv.notify_all()
+
+    def __init__(self, group: ThreadCollective.Group, index: int) -> None:
+        self.group, self.index, self.size, self._round = group, index, group.size, 0
+        self._broadcasts = 0
+
+    def broadcast(self, value: torch.Tensor) -> torch.Tensor:
+        g, k = self.group, self._broadcasts
+        self._broadcasts += 1
+        with g.cv:
+            if self.index == 0:
+                g.announced[k] = value.clone()
+                g.cv.notify_all()
+                return value
+            g.cv.wait_for(lambda: k in g.announced or g.error is not None)
+            if g.error is not None:
+                raise g.error
+            return g.announced[k].clone()
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        g, k = self.group, self._round
+        self._round += 1
+        with g.cv:
+            slots = g.rounds.setdefault(k, [None] * g.size)
+            slots[self.index] = mine.clone()
+            g.cv.notify_all()
+            g.cv.wait_for(lambda: all(s is not None for s in slots) or g.error is not None)
+            if g.error is not None:
+                raise g.error
+            out = torch.stack(slots)
+            if sum(1 for _ in g.rounds) > 4:  # drop rounds every member has read
+                for old in [r for r in g.rounds if r < k - 2]:
+                    del g.rounds[old]
+            return out
+
+
+class ChannelHub:
+    """Delivers host-channel records after a random latency, FIFO per direction."""
+
+    def __init__(self, *, max_latency_s: float, seed: int) -> None:
+        self.max_latency_s, self.rng = max_latency_s, random.Random(seed)
+        self.cv = threading.Condition()
+        self.heap: list = []
+        self.handlers: dict[int, tuple[Callable, Callable]] = {}
+        self._last_due: dict = {}
+        self._early: dict = {}  # records for ranks without a handler yet, in order
+        self._seq = itertools.count()
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True, name="channel-hub").start()
+
+    def post(self, src: int, dst: int, rec: list[int]) -> None:
+        with self.cv:
+            due = max(time.monotonic() + self.rng.random() * self.max_latency_s, self._last_due.get((src, dst), 0.0))
+            self._last_due[(src, dst)] = due
+            heapq.heappush(self.heap, (due, next(self._seq), src, dst, list(rec)))
+            self.cv.notify()
+
+    def abort(self, error: BaseException) -> None:
+        for _, on_error in list(self.handlers.values()):
+            on_error(error)
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and (not self.heap or self.heap[0][0] > time.monotonic()):
+                    self.cv.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
+                if self._stop:
+                    return
+                item = heapq.heappop(self.heap)
+                handler = self.handlers.get(item[3])
+                if handler is None:  # that rank has not made its transport yet: keep the order
+                    self._early.setdefault(item[3], []).append(item)
+                    continue
+            handler[0](item[2], item[4])
+
+    def register(self, rank: int, on_record, on_error) -> None:
+        with self.cv:
+            self.handlers[rank] = (on_record, on_error)
+            now = time.monotonic()
+            for _, seq, src, dst, rec in self._early.pop(rank, []):  # in arrival order (seq breaks ties)
+                heapq.heappush(self.heap, (now, seq, src, dst, rec))
+            self.cv.notify()
+
+
+class EmulatedChannel:
+    """``rounds.HostChannel`` of one rank on a ``ChannelHub``."""
+
+    def __init__(self, hub: ChannelHub, rank: int, on_record, on_error) -> None:
+        self.hub, self.rank = hub, rank
+        hub.register(rank, on_record, on_error)
+
+    def post(self, dst: int, rec: list[int]) -> None:
+        self.hub.post(self.rank, dst, rec)
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["ChannelHub", "DeviceDeadlock", "EmulatedChannel", "EmulatedDevice", "Op", "OpCompletion", "QueueFabric",
+           "TPGroupOps", "ThreadCollective"]

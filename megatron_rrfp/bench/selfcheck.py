@@ -1,0 +1,324 @@
+"""GPU self-check: what to run first on a GPU host (``scripts/gpu_selfcheck.py``).
+
+    torchrun --nproc-per-node N scripts/gpu_selfcheck.py [--steps ...] [--json PATH]
+
+Every step prints PASS / FAIL / SKIP with a one-line diagnosis; a step that hangs past
+``--step-timeout`` dumps every thread's stack (faulthandler) and exits non-zero. Steps:
+
+one GPU (every rank, on its own GPU)
+  environment          versions, device, CUDA_DEVICE_MAX_CONNECTIONS (the script sets 1,
+                       as Megatron-LM does, unless it is set)
+  queue-serialization  whether a stream wait blocks later work of other streams here (the
+                       hazard the rounds protocol is built for; informational)
+  loopback             a 2-stage pipeline (bf, bfw, 1f1b, interleaved) in this process on
+                       this GPU: the shipped executor and RoundTransport, rounds moved by
+                       CUDA copies between two threads' streams, random kernel times
+  stage-memory         peak memory of a stage (torch.cuda.max_memory_allocated) under RRFP
+                       with the in-flight bound of 1F1B, against 1F1B itself
+  one-context          this process holds a CUDA context on its own GPU only (nvidia-smi)
+two or more GPUs (all ranks together, NCCL)
+  nccl-stress          the NCCL rounds transport, random delays, both directions, random
+                       message shapes, 20 iterations over every hint
+  megatron-equivalence a tiny GPT: RRFP's losses and gradients against Megatron's 1F1B
+  te-bfw               Transformer Engine's delay_wgrad_compute under BFW (refused today)
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import random
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
+
+STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
+STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "te-bfw")
+STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
+
+
+@dataclass
+class Result:
+    step: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+
+
+# --------------------------------------------------------------------------- one-GPU steps
+
+def step_environment(ctx) -> Result:
+    import torch
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    name = torch.cuda.get_device_name()
+    cdmc = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset")
+    return Result("environment", "PASS", f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+                                         f"{name}, world {ctx['world']}, CUDA_DEVICE_MAX_CONNECTIONS={cdmc}")
+
+
+_SERIALIZATION_PROBE = r"""
+import time, torch
+a, b, c = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+x = torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+with torch.cuda.stream(a):
+    torch.cuda._sleep(int(2e9)); ea = torch.cuda.Event(); ea.record()
+c.wait_event(ea)
+with torch.cuda.stream(c):
+    x.add_(1)
+with torch.cuda.stream(b):
+    x.add_(1); eb = torch.cuda.Event(); eb.record()
+start = time.monotonic()
+eb.synchronize(); tb = time.monotonic() - start
+ea.synchronize(); ta = time.monotonic() - start
+print("SERIALIZED" if tb >= 0.9 * ta else "CONCURRENT", f"{tb:.3f} {ta:.3f}")
+"""
+
+
+def step_queue_serialization(ctx) -> Result:
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", _SERIALIZATION_PROBE], env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return Result("queue-serialization", "FAIL", "the probe hung for 120 s")
+    if out.returncode != 0:
+        return Result("queue-serialization", "FAIL", f"probe failed: {out.stderr.strip()[-300:]}")
+    verdict, tb, ta = out.stdout.split()
+    if verdict == "SERIALIZED":
+        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 a kernel on stream B waited {tb}s behind another stream's "
+                  f"wait (long kernel {ta}s): one hardware queue, as the rounds protocol assumes")
+    else:
+        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 stream B finished after {tb}s while the long kernel took "
+                  f"{ta}s: this GPU/driver did not serialize here (the protocol does not rely on it either way)")
+    return Result("queue-serialization", "PASS", detail)
+
+
+def step_loopback(ctx) -> Result:
+    import torch
+
+    from ..policy.topology import Topology
+
+    cases = [(1, "bf", 32), (1, "bfw", 2), (1, "1f1b", 32), (2, "bf", 4)]
+    for i, (chunks, hint, limit) in enumerate(cases):
+        microbatches = 8
+        finals: dict = {}
+
+        def factory(topology, stage, rng, finals=finals):
+            return TokenWork(topology, stage, finals if stage == 0 else {}, rng, max_sleep_cycles=2_000_000)
+
+        errors, _ = loopback_pipeline(chunks=chunks, hint=hint, buffer_limit=limit, microbatches=microbatches,
+                                       iterations=3, work_factory=factory, seed=ctx["seed"] + i,
+                                       timeout_s=ctx["stall_timeout_s"])
+        torch.cuda.synchronize()
+        problem = "; ".join(errors) or check_finals(finals, Topology(2, chunks), microbatches)
+        if problem:
+            return Result("loopback", "FAIL", f"chunks={chunks} hint={hint} limit={limit}: {problem}")
+    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact")
+
+
+def step_stage_memory(ctx) -> Result:
+    import torch
+
+    peaks = {}
+    for label, hint, limit in (("1f1b", "1f1b", 32), ("rrfp bf, limit=PP", "bf", 2), ("rrfp default", "bf", 32)):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+
+        def factory(topology, stage, rng):
+            return MLPWork(topology, stage, rng, hidden=1024, layers=4)
+
+        errors, _ = loopback_pipeline(chunks=1, hint=hint, buffer_limit=limit, microbatches=8, iterations=2,
+                                       work_factory=factory, seed=ctx["seed"], timeout_s=ctx["stall_timeout_s"])
+        torch.cuda.synchronize()
+        if errors:
+            return Result("stage-memory", "FAIL", f"{label}: {'; '.join(errors)}")
+        peaks[label] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    figures = ", ".join(f"{k} {v:.1f} MiB" for k, v in peaks.items())
+    ok = peaks["rrfp bf, limit=PP"] <= 1.10 * peaks["1f1b"] + 1.0
+    verdict = "within 10% of 1F1B at the same in-flight bound" if ok else "ABOVE 1F1B at the same in-flight bound"
+    return Result("stage-memory", "PASS" if ok else "FAIL", f"peak of both stages on one GPU: {figures}: {verdict}")
+
+
+def step_one_context(ctx) -> Result:
+    import torch
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Result("one-context", "SKIP", f"nvidia-smi unavailable: {exc}")
+    mine = {line.split(",")[1].strip() for line in out.stdout.splitlines()
+            if line.split(",")[0].strip() == str(os.getpid())}
+    if not mine:
+        return Result("one-context", "SKIP", "nvidia-smi does not list this process (a PID namespace?)")
+    own = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    if len(mine) == 1 and (own in next(iter(mine)) or next(iter(mine)).endswith(own[-12:])):
+        return Result("one-context", "PASS", f"one CUDA context, on GPU {torch.cuda.current_device()}")
+    return Result("one-context", "FAIL", f"this process has contexts on {sorted(mine)} (own GPU {own}): a thread "
+                                         "touched CUDA without torch.cuda.set_device")
+
+
+# --------------------------------------------------------------------------- multi-GPU steps
+
+def step_nccl_stress(ctx) -> Result:
+    import torch
+    import torch.distributed as dist
+
+    from ..mcore.session import Session
+    from ..policy.arbiter import ArbiterConfig
+    from ..policy.plan import Plan
+    from ..policy.topology import Topology
+    from ..runtime.agreement import TPAgreement
+    from ..runtime.executor import PipelineIteration
+
+    world, rank = ctx["world"], dist.get_rank()
+    tp = 2 if world >= 4 and world % 2 == 0 else 1
+    pp = world // tp
+    pipeline = [s * tp + rank % tp for s in range(pp)]
+    stage = pipeline.index(rank)
+    session = Session(pp_ranks=pipeline, agree_ranks=[stage * tp + t for t in range(tp)],
+                      device=torch.device("cuda", torch.cuda.current_device()), timeout_s=ctx["stall_timeout_s"],
+                      transport="rounds")
+    rng = random.Random(ctx["seed"] * 31 + rank)
+    problem = ""
+    try:
+        for it in range(20):
+            chunks = 2 if it % 4 == 3 else 1
+            hint = ("bf", "bfw", "1f1b")[it % 3]
+            topology, m = Topology(pp, chunks), 2 * pp
+            plan = Plan.build(ArbiterConfig(hint=hint, buffer_limit=rng.choice((2, 32))), topology, m)
+            finals: dict = {}
+            work = TokenWork(topology, stage, finals, random.Random(rng.random()), max_sleep_cycles=1_000_000)
+            agreement = None
+            if session.agreement_group is not None:
+                agreement = TPAgreement(session.agreement_group, num_microbatches=m, num_chunks=chunks,
+                                        split_backward=plan.arbiter(stage).split_backward, forward_only=False,
+                                        device=session.device)
+            PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,
+                              stage_ranks=pipeline, transport=session.transport, inbox=session.inbox,
+                              agreement=agreement, timeout_s=ctx["stall_timeout_s"], forward_only=False).run()
+            torch.cuda.synchronize()
+            if stage == 0:
+                problem = problem or check_finals(finals, topology, m)
+    except BaseException as exc:  # noqa: BLE001 - reported by the step
+        problem = f"{type(exc).__name__}: {exc}"
+    finally:
+        session.close()
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    bad = {r: p for r, p in enumerate(problems) if p}
+    if bad:
+        return Result("nccl-stress", "FAIL", f"{bad}")
+    return Result("nccl-stress", "PASS", f"TP={tp} x PP={pp}, 20 iterations (bf/bfw/1f1b, interleaved every 4th, "
+                                         "random kernel times and message shapes): values exact on every rank")
+
+
+def step_megatron_equivalence(ctx) -> Result:
+    from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+    return Result("megatron-equivalence", *compare_with_megatron_on_gpu(ctx))
+
+
+def step_te_bfw(ctx) -> Result:
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError:
+        return Result("te-bfw", "SKIP", "Transformer Engine is not installed")
+    from ..mcore.wgrad_te import te_delay_wgrad_reason
+
+    try:
+        module = te.Linear(64, 64, delay_wgrad_compute=True)
+    except TypeError:
+        return Result("te-bfw", "SKIP", "this Transformer Engine has no delay_wgrad_compute (needs >= 2.3)")
+    reason = te_delay_wgrad_reason(module)
+    if reason:
+        return Result("te-bfw", "PASS", "BFW with TE delay_wgrad_compute is refused with a clear message (not "
+                                        "implemented yet; see mcore/wgrad_te.py)")
+    return Result("te-bfw", "FAIL", "TE delay_wgrad_compute module not recognised: BFW would miss its weight gradients")
+
+
+STEP_FUNCTIONS: dict[str, Callable] = {
+    "environment": step_environment, "queue-serialization": step_queue_serialization, "loopback": step_loopback,
+    "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
+    "megatron-equivalence": step_megatron_equivalence, "te-bfw": step_te_bfw,
+}
+
+
+# --------------------------------------------------------------------------- runner
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of: {', '.join(STEPS)}")
+    parser.add_argument("--step-timeout", type=float, default=600.0, help="seconds before a step counts as hung")
+    parser.add_argument("--stall-timeout", type=float, default=60.0, help="RRFP's own stall timeout in the steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the results (rank 0)")
+    args = parser.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"--steps: unknown {unknown}; choose from {', '.join(STEPS)}")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # before CUDA starts, as Megatron-LM does
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_selfcheck: SKIP: no CUDA device is visible (torch.cuda.is_available() is False, torch "
+              f"{torch.__version__}, built with CUDA {torch.version.cuda}); nothing to check here. On a GPU host run: "
+              "torchrun --nproc-per-node N scripts/gpu_selfcheck.py")
+        return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = dist.get_rank() if world > 1 else 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    faulthandler.enable()
+    ctx = {"world": world, "rank": rank, "seed": args.seed, "stall_timeout_s": args.stall_timeout}
+    results = []
+    order = [s for s in STEPS if s in steps]  # one-context last: after every thread ran
+    for step in order:
+        if step in STEPS_MULTI_GPU and step != "te-bfw" and world < 2:
+            results.append(Result(step, "SKIP", "needs >= 2 GPUs: torchrun --nproc-per-node 2 (or more)"))
+        else:
+            faulthandler.dump_traceback_later(args.step_timeout, exit=True)  # a hang prints every thread's stack
+            try:
+                results.append(STEP_FUNCTIONS[step](ctx))
+            except BaseException as exc:  # noqa: BLE001 - a failed step, reported
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                results.append(Result(step, "FAIL",
+                                      f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"))
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        if rank == 0 or step in STEPS_ONE_GPU or step == "one-context":
+            r = results[-1]
+            print(f"[rank {rank}] {r.status:4} {r.step}: {r.detail}", flush=True)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, [asdict(r) for r in results])
+        dist.destroy_process_group()
+    else:
+        gathered = [[asdict(r) for r in results]]
+    failed = [(r, x["step"]) for r, xs in enumerate(gathered) for x in xs if x["status"] == "FAIL"]
+    if rank == 0:
+        print(f"gpu_selfcheck: {'FAIL' if failed else 'PASS'}"
+              + (f" ({', '.join(f'{s} on rank {r}' for r, s in failed)})" if failed else ""), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump({"world": world, "ranks": gathered, "failed": bool(failed)}, handle, indent=1)
+    return 1 if failed else 0
+
+
+__all__ = ["STEPS", "Result", "main"]

@@ -1,0 +1,86 @@
+"""GPU tests: NOT YET RUN ON HARDWARE (written so the first GPU run is one command).
+
+    torchrun --nproc-per-node 2 scripts/gpu_selfcheck.py     # first
+    python -m pytest -q -m cuda tests/test_gpu.py              # then these
+
+Each test runs steps of the self-check (``megatron_rrfp/bench/selfcheck.py``) under
+torchrun in a subprocess, so NCCL, the devices and the processes are real: equivalence
+with Megatron's 1F1B at PP=2 over NCCL, the stage's peak memory (torch.cuda
+max_memory_allocated) against 1F1B, the NCCL rounds transport under stress, and BFW under
+Transformer Engine's delay_wgrad_compute where TE is installed. Skipped without CUDA.
+Below them: CPU checks that the self-check itself parses, imports and exits cleanly.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "gpu_selfcheck.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _selfcheck(tmp_path, nproc: int, steps: str, timeout: float = 900) -> dict:
+    out = tmp_path / "selfcheck.json"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(SCRIPT),
+               "--steps", steps, "--json", str(out), "--step-timeout", str(timeout - 60)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert out.exists(), f"no results (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    results = json.loads(out.read_text())
+    return {(rank, r["step"]): r for rank, rs in enumerate(results["ranks"]) for r in rs}
+
+
+def _passed(results: dict, step: str) -> None:
+    for (rank, name), r in results.items():
+        if name == step:
+            assert r["status"] in ("PASS", "SKIP") if step == "te-bfw" else r["status"] == "PASS", (rank, r)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(1000)
+def test_pp2_over_nccl_matches_megatron_and_survives_stress(tmp_path):
+    results = _selfcheck(tmp_path, 2, "nccl-stress,megatron-equivalence")
+    _passed(results, "nccl-stress")
+    _passed(results, "megatron-equivalence")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+@pytest.mark.timeout(1000)
+def test_one_gpu_loopback_memory_and_single_context(tmp_path):
+    results = _selfcheck(tmp_path, 1, "loopback,stage-memory,one-context")
+    _passed(results, "loopback")
+    _passed(results, "stage-memory")  # max_memory_allocated within 10% of 1F1B at the same in-flight bound
+    assert results[(0, "one-context")]["status"] in ("PASS", "SKIP"), results[(0, "one-context")]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+@pytest.mark.timeout(600)
+def test_bfw_under_transformer_engine_delay_wgrad_is_refused_clearly(tmp_path):
+    pytest.importorskip("transformer_engine.pytorch")
+    _passed(_selfcheck(tmp_path, 1, "te-bfw", timeout=500), "te-bfw")
+
+
+# -- on any machine: the self-check itself ------------------------------------------------
+
+@pytest.mark.skipif(GPUS > 0, reason="checks the no-CUDA path")
+def test_selfcheck_without_cuda_says_so_and_exits_cleanly():
+    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "no CUDA device is visible" in run.stdout and "torchrun --nproc-per-node" in run.stdout
+
+
+def test_selfcheck_parses_imports_and_refuses_unknown_steps():
+    compile(SCRIPT.read_text(encoding="utf-8"), str(SCRIPT), "exec")
+    from megatron_rrfp.bench import selfcheck, selfcheck_gpt, selfcheck_loopback  # noqa: F401
+
+    run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "loopback,warp-drive"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "unknown ['warp-drive']" in run.stderr
+    assert set(selfcheck.STEPS) == set(selfcheck.STEP_FUNCTIONS)

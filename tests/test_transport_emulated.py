@@ -1,0 +1,125 @@
+"""The device transport under NCCL's worst-case semantics, without a GPU (in-process, ~40 s).
+
+Every rank gets a stand-in GPU with ONE in-order queue for compute, TP collectives and
+p2p (``CUDA_DEVICE_MAX_CONNECTIONS=1``; a send or receive blocks the queue until its
+partner runs — ``megatron_rrfp.bench.queue_device``). The real executor, arbiter, TP
+agreement and transport run on it, a thread per rank, with random device times, host
+jitter and host-channel latency. ``scripts/emulate_transport.py`` runs many more.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_rrfp.bench.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
+from megatron_rrfp.bench.queue_device import ThreadCollective
+from megatron_rrfp.policy.actions import Kind, Task
+from megatron_rrfp.runtime.agreement import AgreementError, TPAgreement
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_rounds_protocol_completes_every_random_configuration_with_the_right_gradients():
+    # PP 2-8, TP=2, one or two chunks, bf / bfw / 1f1b, buffer limits 2 / 4 / 32
+    jobs = random_jobs(18, seed=11, protocol="rounds", quiet_s=3.0)
+    assert {j.pp for j in jobs} >= {2, 3, 4, 8} and {j.chunks for j in jobs} == {1, 2}
+    assert {j.hint for j in jobs} >= {"bf", "bfw", "1f1b"}
+    failed = [(job.describe(), outcome.error) for job in jobs if not (outcome := run_emulated(job)).completed]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("pp,chunks,hint", [(2, 1, "bf"), (3, 1, "bfw"), (4, 2, "bf")])
+def test_the_early_receive_protocol_deadlocks_on_a_single_queue_device(pp, chunks, hint):
+    job = EmulatedJob(pp=pp, chunks=chunks, microbatches=pp * 2 if chunks > 1 else 4, hint=hint,
+                      protocol="early-receive", quiet_s=1.0, timeout_s=20)
+    outcome = run_emulated(job)
+    assert not outcome.completed and outcome.deadlock, outcome.error
+    assert "every head waits for a partner" in outcome.error and "recv" in outcome.error
+
+
+def test_one_rank_far_behind_its_tp_peer_still_dispatches_the_same_order():
+    job = EmulatedJob(pp=4, chunks=1, microbatches=6, hint="bfw", buffer_limit=2, host_jitter_ms=6.0, seed=5)
+    outcome = run_emulated(job)
+    assert outcome.completed, outcome.error
+    orders = outcome.orders
+    assert all(orders[2 * s] == orders[2 * s + 1] for s in range(4))
+
+
+# -- TP agreement in-process ---------------------------------------------------------
+
+def _agreements(size: int, **kwargs) -> list[TPAgreement]:
+    group = ThreadCollective.Group(size)
+    return [TPAgreement(ThreadCollective(group, i), num_microbatches=4, num_chunks=1, split_backward=False,
+                        forward_only=False, **kwargs) for i in range(size)]
+
+
+def _together(fns) -> list:
+    out: list = [None] * len(fns)
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - returned for the test to inspect
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_agreement_intersects_ready_sets_and_takes_counter_minimum_beside_the_caller():
+    a, b = _agreements(2)
+    f0, f1, b0 = Task(Kind.F, 0), Task(Kind.F, 1), Task(Kind.B, 0)
+    # posted exchanges run on the helper thread: both post, then both collect
+    a.post({f0, f1}, (3, 7))
+    b.post({f0, b0}, (5, 2))
+    ra, rb = _together([a.collect, b.collect])
+    for r in (ra, rb):
+        assert r.common == {f0} and r.union == {f0, f1, b0}
+        assert r.state == (3, 2) and r.state_max == (5, 7)
+    assert ra.mine == {f0, f1} and ra.lagging and not ra.unanimous
+    # a blocking exchange on the calling thread continues the same sequence
+    a.commit(f0)
+    b.commit(f0)
+    ra, rb = _together([lambda: a.exchange({f1}, (1, 1)), lambda: b.exchange({f1}, (1, 1))])
+    assert ra.common == rb.common == {f1} and ra.unanimous
+    assert a.stats.rounds == 2 and a.stats.blocking_rounds == 1 and a.stats.collective_s > 0
+    for agreement in (a, b):
+        agreement.close()
+
+
+def test_agreement_refuses_ranks_out_of_lock_step_with_every_view():
+    a, b = _agreements(2)
+    a.commit(Task(Kind.F, 0))
+    b.commit(Task(Kind.F, 1))  # diverged
+    out = _together([lambda: a.exchange({Task(Kind.F, 2)}), lambda: b.exchange(set())])
+    for err in out:
+        assert isinstance(err, AgreementError), err
+        assert "out of lock-step" in str(err) and "group rank 0" in str(err) and "0F2" in str(err)
+
+
+def test_agreement_collect_times_out_while_a_peer_is_missing_and_then_completes():
+    a, b = _agreements(2)
+    a.post(set())
+    with pytest.raises(TimeoutError):
+        a.collect(timeout=0.05)
+    assert a.outstanding
+    b.post(set())
+    assert b.collect(timeout=5).unanimous and a.collect(timeout=5).unanimous
+    assert a.stats.blocked_s >= 0.05
+    for agreement in (a, b):
+        agreement.close()
+
+
+def test_thread_collective_gathers_in_rank_order():
+    group = ThreadCollective.Group(3)
+    members = [ThreadCollective(group, i) for i in range(3)]
+    out = _together([lambda m=m, i=i: m.all_gather(torch.full((2,), i, dtype=torch.uint8))
+                     for i, m in enumerate(members)])
+    for gathered in out:
+        assert gathered.tolist() == [[0, 0], [1, 1], [2, 2]]
