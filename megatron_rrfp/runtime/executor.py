@@ -8,6 +8,12 @@ particular microbatch — it waits only when nothing allowed is ready.
 
 Failure handling: a transport error (peer died) or ``timeout_s`` without any progress
 raises ``PipelineStallError`` carrying a dump of this rank's ready set and counters.
+
+Profiling: every task runs inside a ``record_function`` / NVTX range named like "0F3"
+(``profiling.py``). With ``record_spans`` the report keeps each task's span (device time on
+CUDA), each wait, and each received message ("recv" spans from its arrival to its
+absorption); a task that sent a message and the receiver's "recv" span carry the same
+message key, from which traces draw a flow arrow from the send to the receive.
 """
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ import torch
 from ..policy.actions import Kind, Task, format_order
 from ..policy.arbiter import Arbiter
 from ..policy.topology import Topology
-from ..trace.chrome import Span
+from ..trace.chrome import Span, message_key
 from .agreement import TPAgreement
+from .profiling import TaskClock
 from .report import BREAKDOWN_FIELDS, IterationReport
 
 
@@ -49,8 +56,9 @@ class Inbox:
         self._error: Optional[BaseException] = None
 
     def put(self, message) -> None:
+        arrived = time.time()  # on the transport thread: when the message was complete here
         with self._cv:
-            self._messages.append(message)
+            self._messages.append((arrived, message))
             self._cv.notify()
 
     def fail(self, error: BaseException) -> None:
@@ -59,6 +67,10 @@ class Inbox:
             self._cv.notify()
 
     def drain(self) -> list:
+        return [message for _, message in self.drain_timed()]
+
+    def drain_timed(self) -> list:
+        """[(arrival time, message)]; raises the transport's error if it failed."""
         with self._cv:
             if self._error is not None:
                 raise self._error
@@ -87,13 +99,15 @@ class PipelineIteration:
         self.forward_done: set[tuple[int, int]] = set()
         self.backwards_left = 0 if forward_only else arbiter.num_microbatches * topology.num_chunks
         self.report = IterationReport(rank=self.rank, stage=stage, order=arbiter.dispatched)
+        self.clock = TaskClock(record_spans=record_spans)
+        self._sent: list[tuple[str, float]] = []  # (message key, host time) of the running task's sends
         self._last_progress = time.monotonic()
         self._t0 = 0.0
 
     # -- the loop --------------------------------------------------------------------
 
     def run(self) -> IterationReport:
-        self._t0 = time.time()
+        self._t0 = self.report.started_at = time.time()
         self._post_expectations()
         m = self.arbiter.num_microbatches
         if self.topology.is_first(self.stage, 0):
@@ -107,6 +121,7 @@ class PipelineIteration:
         start = time.time()
         self.transport.flush(self.timeout_s)
         self.report.flush_s = time.time() - start
+        self.clock.resolve(self._t0)
         self.report.wall_s = time.time() - self._t0
         self.report.peak_in_flight = self.arbiter.peak_in_flight
         if self.agreement is not None:
@@ -155,11 +170,17 @@ class PipelineIteration:
 
     def _absorb(self) -> None:
         try:
-            messages = self.inbox.drain()
+            messages = self.inbox.drain_timed()
         except Exception as exc:
             raise PipelineStallError(self._diagnosis(f"transport failed: {exc}")) from exc
-        for message in messages:
+        absorbed = time.time()
+        for arrived, message in messages:
             self._check_message(message)
+            if self.record_spans:
+                kind = Kind.F if message.kind == "activation" else Kind.B
+                key = message_key(message.src, self.rank, message.kind, message.microbatch, message.chunk)
+                self._span(f"recv {Task(kind, message.microbatch, message.chunk)}", "recv", arrived,
+                           max(absorbed, arrived + 1e-6), {"flow_in": key, "from": message.src})
             key = (message.microbatch, message.chunk)
             self._last_progress = time.monotonic()
             if message.kind == "activation":
@@ -199,8 +220,20 @@ class PipelineIteration:
     # -- executing one task ----------------------------------------------------------
 
     def _execute(self, task: Task) -> None:
-        mb, chunk = task.microbatch, task.chunk
+        name = str(task)
         start = time.time()
+        with self.clock.task(name) as events:
+            self._run_task(task)
+        end = time.time()
+        self.report.compute_s += end - start
+        if self.record_spans:
+            sends = [(key, sent - start) for key, sent in self._sent]  # seconds into the task
+            span = self._span(name, task.kind.value, start, end, {"flow_out": sends} if sends else None)
+            self.clock.on_device(span, events)
+            self._sent = []
+
+    def _run_task(self, task: Task) -> None:
+        mb, chunk = task.microbatch, task.chunk
         if task.kind is Kind.F:
             downstream = self.topology.downstream(self.stage, chunk)
             send = None if downstream is None else self._sender("activation", mb, downstream)
@@ -217,13 +250,15 @@ class PipelineIteration:
                 self.ready.add(Task(Kind.W, mb, chunk))  # its weight gradients may now run
         else:
             self.work.weight(task)
-        end = time.time()
-        self.report.compute_s += end - start
-        self._span(str(task), task.kind.value, start, end)
 
     def _sender(self, kind: str, mb: int, peer: tuple[int, int]) -> Callable[[torch.Tensor], None]:
         dst = self.stage_ranks[peer[0]]
-        return lambda tensor: self.transport.send(dst, kind, mb, peer[1], tensor)
+
+        def send(tensor: torch.Tensor) -> None:
+            if self.record_spans:  # the arrow starts at the send, inside the task's span
+                self._sent.append((message_key(self.rank, dst, kind, mb, peer[1]), time.time()))
+            self.transport.send(dst, kind, mb, peer[1], tensor)
+        return send
 
     def _post_expectations(self) -> None:
         counts: dict[int, int] = {}
@@ -240,9 +275,13 @@ class PipelineIteration:
 
     # -- diagnostics -----------------------------------------------------------------
 
-    def _span(self, name: str, category: str, start: float, end: float) -> None:
+    def _span(self, name: str, category: str, start: float, end: float, args: Optional[dict] = None
+              ) -> Optional[Span]:
         if self.record_spans and end > start:
-            self.report.spans.append(Span(self.rank, name, category, start - self._t0, end - self._t0))
+            span = Span(self.rank, name, category, start - self._t0, end - self._t0, args or {})
+            self.report.spans.append(span)
+            return span
+        return None
 
     def _diagnosis(self, reason: str) -> str:
         state = self.arbiter.describe()
