@@ -45,13 +45,15 @@ def clock_offsets(rounds: int = CLOCK_ROUNDS, group=None) -> list[float]:
     return [statistics.median(column) for column in zip(*samples)]
 
 
-def gather_merged_spans(spans: list[Span], started_at: float, *, label: Optional[str] = None, group=None,
-                        dst: int = 0) -> Optional[tuple[list[Span], dict]]:
-    """Collective. On ``dst``: (every rank's spans on one clock, {rank: label}); elsewhere None."""
+def gather_merged_spans(spans: list[Span], started_at: float, *, label: Optional[str] = None,
+                        info: Optional[dict] = None, group=None, dst: int = 0
+                        ) -> Optional[tuple[list[Span], dict, dict]]:
+    """Collective. On ``dst``: (every rank's spans on one clock, {rank: label}, {rank: info});
+    elsewhere None."""
     dist = _dist()
     rank = dist.get_rank(group) if dist is not None else 0
     offsets = clock_offsets(group=group)
-    mine = (rank, started_at - offsets[rank], list(spans), label or f"rank {rank}")
+    mine = (rank, started_at - offsets[rank], list(spans), (label or f"rank {rank}", info or {}))
     if dist is None:
         everyone = [mine]
     else:
@@ -62,19 +64,20 @@ def gather_merged_spans(spans: list[Span], started_at: float, *, label: Optional
     origin = min(start for _, start, _, _ in everyone)
     merged = [replace(span, start=span.start + start - origin, end=span.end + start - origin)
               for _, start, rank_spans, _ in everyone for span in rank_spans]
-    return merged, {r: label for r, _, _, label in everyone}
+    return merged, {r: meta[0] for r, _, _, meta in everyone}, {r: meta[1] for r, _, _, meta in everyone}
 
 
 def write_merged_trace(spans: list[Span], started_at: float, path: str, *, label: Optional[str] = None,
-                       metadata: Optional[dict] = None, group=None) -> Optional[str]:
+                       info: Optional[dict] = None, metadata: Optional[dict] = None, group=None) -> Optional[str]:
     """Collective: gather every rank's spans (``gather_merged_spans``) and write them on
-    rank 0 as one trace at ``path``; returns the path there, None elsewhere."""
-    merged = gather_merged_spans(spans, started_at, label=label, group=group)
+    rank 0 as one trace at ``path`` (each rank's ``info`` under ``otherData.ranks``);
+    returns the path there, None elsewhere."""
+    merged = gather_merged_spans(spans, started_at, label=label, info=info, group=group)
     if merged is None:
         return None
-    spans, labels = merged
+    spans, labels, infos = merged
     meta = {"clock": "common: every rank's spans shifted onto rank 0's host clock (barrier-aligned offsets)",
-            **(metadata or {})}
+            **(metadata or {}), "ranks": {str(r): i for r, i in infos.items()}}
     return write_chrome_trace(spans, path, metadata=meta, rank_labels=labels)
 
 
