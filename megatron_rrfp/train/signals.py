@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Optional
 
-GRACE_S = 5.0
+GRACE_S = 2.0
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
