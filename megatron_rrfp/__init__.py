@@ -6,18 +6,22 @@ Where things live (one folder per concern; the arrows only point down this list)
                 (topology), hints, the Arbiter, plans and their dry run
   sim/          the simulator: the policy's dry run under sampled variability, lower
                 bounds, `megatron-rrfp simulate`
-  trace/        Chrome/Perfetto traces and PNG timelines of simulated and measured runs
-  runtime/      one rank's runtime: the readiness-first loop (executor), the message
-                transport, the tensor-parallel agreement
+  trace/        Chrome/Perfetto traces (send -> receive arrows; all ranks merged on one
+                clock) and PNG timelines of simulated and measured runs
+  runtime/      one rank's runtime: the readiness-first loop (executor; tasks as profiler /
+                NVTX ranges, device-timed on CUDA), the message transport, the
+                tensor-parallel agreement
   mcore/        Megatron-core's schedule contract: forward_backward_rrfp, version
                 differences (compat), CPU redirects, grad sync, B/W split (wgrad)
   megatron_lm/  Megatron-LM without edits: install(), the --rrfp-* flags, the launcher,
                 goodput/trace hooks around its training loop
   goodput/      the goodput ledger (writer, reader), accounting, recorder, report
-  dist/         where a process sits in a job; the local multi-process launcher
-  bench/        measured benchmarks with emulated device time, `bench` / `demo`
-  train/        `megatron-rrfp train`: driver, config, builders, models, data,
-                checkpoints, the multimodal recipe
+  dist/         where a process sits in a job; the local multi-process launcher; --nproc
+                through torch's own launcher
+  bench/        measured benchmarks with emulated device time, `bench` / `demo`, `compare`
+  train/        `megatron-rrfp train`: driver, config, builders, models, data (indexed
+                datasets), checkpoints (torch, torch_dist), Megatron-LM's logs /
+                TensorBoard / W&B (metrics), launcher signals, the multimodal recipe
 
 The policy names below import no torch; the Megatron-facing names load lazily.
 """

@@ -13,6 +13,7 @@ from .checks import OneLineParser, report_error
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parsers
+    from .bench.compare import add_compare_parser
     from .goodput.cli import add_goodput_parser
     from .sim.cli import add_simulate_parser
     from .train.driver import add_train_parser
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)
     add_bench_parsers(sub)
+    add_compare_parser(sub)
     add_goodput_parser(sub)
     add_train_parser(sub)
     return parser

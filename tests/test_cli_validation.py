@@ -41,6 +41,7 @@ NUMERIC_FLAGS = {
     "train": _flags(train_config.BOUNDS, train_config.FLAGS) + [("--rrfp-buffer-limit", BUFFER_LIMIT),
                                                                 ("--rrfp-timeout", TIMEOUT_S)],
     "goodput": [("--bins", BINS)],
+    "compare": [],  # two JSON files, no numbers
 }
 # what each command needs besides the bad flag (valid, and nothing that would start work first)
 BASE_ARGS = {"goodput": ["no-such-ledger.db"], "train": ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2",
@@ -62,7 +63,7 @@ class NoProcesses:
         self.patch.setattr(os, "fork", refuse)
         self.patch.setattr(os, "posix_spawn", refuse)
         self.patch.setattr("megatron_rrfp.dist.launcher.launch", refuse)
-        self.patch.setattr("megatron_rrfp.train.driver.spawn_local", refuse)
+        self.patch.setattr("megatron_rrfp.dist.torchrun.run_module", refuse)
         return self
 
     def __exit__(self, *exc):

@@ -324,7 +324,10 @@ _PROBE = textwrap.dedent('''
         report.update(device_count=torch.cuda.device_count(), zeros=str(torch.zeros(2, device="cuda").device),
                       tensor=str(torch.tensor([1], device=torch.cuda.current_device()).device),
                       dot_cuda=str(torch.ones(1).cuda().device), elapsed_ms=start.elapsed_time(end),
-                      rng_repeats=bool(torch.equal(a, b)))
+                      rng_repeats=bool(torch.equal(a, b)),
+                      # what Megatron-LM's validate_args asks at TP > 1 (get_device_arch_version)
+                      arch=torch.cuda.get_device_properties(torch.device("cuda:0")).major,
+                      max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
     print("PROBE " + json.dumps(report))
 ''')
 
@@ -358,6 +361,7 @@ def test_launcher_cpu_mode_redirects_cuda_calls(tmp_path, how):
     assert out["device_count"] == 1
     assert out["zeros"] == out["tensor"] == out["dot_cuda"] == "cpu"
     assert out["elapsed_ms"] >= 0 and out["rng_repeats"]
+    assert out["arch"] == 0 and out["max_connections"] == "1"
 
 
 def test_launcher_rejects_a_missing_script(tmp_path, capsys):

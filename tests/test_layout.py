@@ -112,7 +112,7 @@ def test_cli_surface_and_version():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(commands) == {"simulate", "bench", "demo", "goodput", "train"}
+    assert set(commands) == {"simulate", "bench", "demo", "compare", "goodput", "train"}
     out = subprocess.run([sys.executable, "-m", "megatron_rrfp", "--version"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"megatron-rrfp {megatron_rrfp.__version__}"

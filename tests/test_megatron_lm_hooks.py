@@ -164,13 +164,45 @@ def test_ledger_records_iterations_checkpoints_and_restart(training, tmp_path):
     assert timers("rrfp-bubble").elapsed(reset=False) == pytest.approx(7 * 0.01)
     assert "rrfp-bubble" in timers.log.names  # extend_timer_logging: training_log prints them
 
-    # --log-interval 3 and the last iteration of each run (--train-iters 4, then 7).
-    assert sorted(os.listdir(traces)) == [f"rrfp-rank0-iter{n}.json" for n in (3, 4, 6, 7)]
-    with open(os.path.join(traces, "rrfp-rank0-iter6.json")) as handle:
+    # --log-interval 3 and the last iteration of each run (--train-iters 4, then 7); one
+    # merged file per traced iteration (one rank here: no process group)
+    assert sorted(os.listdir(traces)) == [f"rrfp-iter{n}.json" for n in (3, 4, 6, 7)]
+    with open(os.path.join(traces, "rrfp-iter6.json")) as handle:
         trace = json.load(handle)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(e["name"], e["cat"], e["pid"]) for e in spans] == [("0F0", "F", 0), ("wait", "wait", 0), ("0B0", "B", 0)]
-    assert trace["otherData"]["iteration"] == 6 and trace["otherData"]["order"] == "0F0,0B0"
+    assert trace["otherData"]["iteration"] == 6 and trace["otherData"]["ranks"]["0"]["order"] == "0F0,0B0"
+
+
+def test_rrfp_alone_puts_its_breakdown_in_megatrons_tensorboard_timers(training, tmp_path):
+    """No ledger, no trace dir, default --timing-log-level 0: training_log's (empty) timer
+    list still gets the rrfp-* timers, and megatron-core's Timers.write puts them in
+    TensorBoard as Megatron-LM names timers (<name>-time); read back with TensorBoard's reader."""
+    import torch.distributed as dist
+    from megatron.core.timers import Timers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+
+    enable_cpu_reference_schedules()  # megatron-core's Timers gather on current_device()
+    timers = Timers(0, "minmax")
+    hooks = _hooks(training, FakeSchedule(), HookOptions(), timers)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert _run(training, _args(save_interval=0)) == 4
+        writer = SummaryWriter(str(tmp_path / "tb"))
+        timers.write([], writer, 4, normalizer=4)  # what training_log does with --log-timers-to-tensorboard
+        writer.close()
+    finally:
+        dist.destroy_process_group()
+        hooks.detach()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"rrfp-compute-time", "rrfp-bubble-time"} <= set(events.Tags()["scalars"])
+    [bubble] = events.Scalars("rrfp-bubble-time")
+    assert (bubble.step, bubble.value) == (4, pytest.approx(0.01))  # per iteration: 4 x 0.01 s / 4
+    assert os.listdir(tmp_path) == ["tb"]  # no ledger, no traces
 
 
 def test_trace_io_error_warns_once_and_training_continues(training, tmp_path):
@@ -186,7 +218,7 @@ def test_trace_io_error_warns_once_and_training_continues(training, tmp_path):
         hooks.detach()
     trace_warnings = [w for w in caught if issubclass(w.category, TraceWarning)]
     assert len(trace_warnings) == 1, [str(w.message) for w in caught]
-    assert "rrfp-rank0-iter1.json not written" in str(trace_warnings[0].message)
+    assert "rrfp-iter1.json not written" in str(trace_warnings[0].message)
     assert [r.iteration for r in goodput_report(ledger).iterations] == list(range(1, 8))
 
 
@@ -293,7 +325,7 @@ def megatron_training(monkeypatch, training):
     integration.uninstall()
 
 
-def test_install_activates_hooks_only_for_rrfp_with_a_ledger_or_trace_dir(megatron_training, monkeypatch, tmp_path):
+def test_install_activates_hooks_whenever_rrfp_is_selected(megatron_training, monkeypatch, tmp_path):
     training, package = megatron_training.training, megatron_training.package
     original_step = training.train_step
     integration.install()
@@ -303,8 +335,10 @@ def test_install_activates_hooks_only_for_rrfp_with_a_ledger_or_trace_dir(megatr
         monkeypatch.setattr(sys, "argv", ["stand-in", "--pipeline-model-parallel-size", "2", *flags])
         return megatron_training.arguments.parse_args()
 
+    parse()  # 1f1b: Megatron alone
+    assert training.train_step is original_step
     parse("--pipeline-schedule", "rrfp")
-    assert training.train_step is original_step  # rrfp alone: nothing to record
+    assert training.train_step is not original_step  # rrfp alone: its rrfp-* timers
     ledger = str(tmp_path / "goodput.db")
     args = parse("--pipeline-schedule", "rrfp", "--rrfp-goodput-ledger", ledger)
     assert training.train_step is not original_step

@@ -105,7 +105,7 @@ def test_failed_then_successful_iterations_bad_messages_and_new_groups_in_the_sa
 
 
 def test_a_discarded_inbox_drops_what_waits_and_refuses_late_arrivals():
-    from megatron_rrfp.runtime.executor import Inbox
+    from megatron_rrfp.runtime.inbox import Inbox
 
     inbox = Inbox()
     inbox.put("stale 1")

@@ -1,10 +1,20 @@
-"""The repository's own SLURM script, submitted to a real (one-node, localhost) SLURM.
+"""The repository's own SLURM script, submitted to a real (one-node, localhost) SLURM, and
+stopped twice on the way, as clusters stop jobs.
 
 Needs root: scripts/slurm/localhost_slurm.sh installs slurm + munge if missing (apt) and
-starts munged, slurmctld and slurmd; the test stops them again (by PID file) whatever
-happens. Then ``sbatch --wait`` runs scripts/slurm/pretrain_gpt_rrfp.sbatch in CPU mode
-with 2 tasks (2 pipeline stages over gloo) and the job's output must show a tiny GPT
-trained with the rrfp schedule. Every step is bounded by a timeout.
+starts munged, slurmctld and slurmd; the test stops what that script started whatever
+happens. One job (scripts/slurm/pretrain_gpt_rrfp.sbatch, CPU mode, 2 tasks = 2 pipeline
+stages over gloo, rrfp) is submitted once and then:
+
+1. gets SIGUSR1 (``scancel --signal=USR1``, what ``#SBATCH --signal=USR1@120`` sends before
+   the time limit): its ranks save a checkpoint and exit 0, and the script requeues the job;
+2. resumes from that checkpoint, and is requeued by ``scontrol requeue`` mid-run (SIGTERM,
+   then SIGKILL after KillWait): rank 0 records the disruption in the goodput ledger;
+3. resumes from its latest checkpoint, in the same directory ($RRFP_OUT/<job name>) and the
+   same ledger, and finishes.
+
+The ledger then holds one job: three sessions, one disruption, every iteration kept once.
+Every step is bounded by a timeout.
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "slurm" / "localhost_slurm.sh"
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt_rrfp.sbatch"
 START_TIMEOUT_S = 420  # includes apt-get update + install on a fresh machine
-JOB_TIMEOUT_S = 300
-LOSS_LINE = re.compile(r"iteration\s+(\d+)/6 \| schedule rrfp \| lm loss (\S+) \|")
+PHASE_TIMEOUT_S = 180  # one run of the job: start-up (python, torch, megatron-core) and a few iterations
+TRAIN_ITERS, SAVE_INTERVAL = 40, 4
+JOB_NAME = "rrfp-ci-requeue"
 
 
 @pytest.fixture
@@ -36,24 +48,106 @@ def localhost_slurm():
         assert started.returncode == 0, f"localhost SLURM did not start:\n{started.stdout}\n{started.stderr}"
         yield
     finally:
-        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=60)
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=90)
 
 
-@pytest.mark.timeout(START_TIMEOUT_S + JOB_TIMEOUT_S + 90)
-def test_gpt_sbatch_trains_with_rrfp_on_two_cpu_tasks(localhost_slurm, tmp_path):
+class Job:
+    def __init__(self, job_id: str, log: Path) -> None:
+        self.id, self.log = job_id, log
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_for(self, pattern: str, *, after: int = 0, timeout: float = PHASE_TIMEOUT_S) -> re.Match:
+        """The first match of ``pattern`` in the job's output past offset ``after``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.compile(pattern, re.MULTILINE).search(self.text(), after)
+            if found:
+                return found
+            time.sleep(0.2)
+        pytest.fail(f"{pattern!r} not in the job's output after {timeout} s:\n{self.text()[-6000:]}\n"
+                    + _scontrol(self.id))
+
+    def wait_until_gone(self, timeout: float = PHASE_TIMEOUT_S) -> str:
+        """The job's last state as scontrol saw it (it leaves the queue MinJobAge s after ending)."""
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            shown = _scontrol(self.id)
+            if "JobState=" not in shown:
+                return last
+            last = shown
+            time.sleep(0.3)
+        pytest.fail(f"job {self.id} still known after {timeout} s:\n{last}\n{self.text()[-4000:]}")
+
+
+    def start_now_when_requeued(self, timeout: float = 60) -> None:
+        """SLURM holds a requeued job back for two minutes (EligibleTime); make it eligible now."""
+        deadline = time.monotonic() + timeout
+        while "JobState=PENDING" not in _scontrol(self.id):
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {self.id} not pending again after {timeout} s:\n{_scontrol(self.id)}")
+            time.sleep(0.2)
+        _run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
+
+
+def _scontrol(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+
+
+def _run(*command: str) -> None:
+    done = subprocess.run(list(command), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.timeout(START_TIMEOUT_S + 4 * PHASE_TIMEOUT_S + 120)
+def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(localhost_slurm, tmp_path):
+    from megatron_rrfp.goodput import goodput_report
+
     out = tmp_path / "out"
-    env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore"}
-    job = subprocess.run(
-        ["sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-         "--gpus-per-node=0", f"--time={JOB_TIMEOUT_S // 60 + 1}", f"--output={tmp_path}/slurm-%j.out",
-         "--export=ALL", str(SBATCH)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    logs = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("slurm-*.out")))
-    assert job.returncode == 0, f"sbatch exit {job.returncode}\n{job.stdout}\n{job.stderr}\njob output:\n{logs}"
-    assert "mode=cpu/gloo" in logs and "world=2" in logs
-    assert "TP 1 x PP 2 x DP 1" in logs and "schedule rrfp" in logs
-    losses = {int(i): float(loss) for i, loss in LOSS_LINE.findall(logs)}
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6], logs
-    assert losses[6] < losses[1], losses
-    assert (out / "checkpoints" / "iter_0000006" / "rank_00001.pt").exists()
-    assert (out / "traces" / "trace.json").exists()
+    env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore",
+           "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL)}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={JOB_NAME}", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
+         "--export=ALL", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    job = Job(job_id, tmp_path / f"slurm-{job_id}.out")
+    try:
+        # 1. SIGUSR1 (as --signal=USR1@120 sends it): save, exit 0, the script requeues the job
+        first = job.wait_for(rf"saved checkpoint at iteration {SAVE_INTERVAL} ")
+        _run("scancel", "--signal=USR1", job.id)
+        stopped = job.wait_for(r"^rrfp: stopped after iteration (\d+) of \d+ \(checkpoint saved\); requeueing",
+                               after=first.end())
+        clean_stop = int(stopped.group(1))
+        assert SAVE_INTERVAL <= clean_stop < TRAIN_ITERS
+        job.start_now_when_requeued()
+        # 2. the requeued job resumes there; then scontrol requeue kills it mid-run
+        resumed = job.wait_for(rf"resumed from \S+ at iteration {clean_stop} ", after=stopped.end())
+        saved = job.wait_for(r"saved checkpoint at iteration (\d+) ", after=resumed.end())
+        _run("scontrol", "requeue", job.id)
+        job.start_now_when_requeued()
+        # 3. it resumes from its latest checkpoint and finishes
+        again = job.wait_for(r"resumed from \S+ at iteration (\d+) ", after=saved.end())
+        assert int(again.group(1)) >= int(saved.group(1))
+        job.wait_for(r"^rrfp: done; checkpoints, ledger", after=again.end())
+        final = job.wait_until_gone()
+    finally:
+        subprocess.run(["scancel", job.id], capture_output=True, timeout=30)  # only if something above failed
+    log = job.text()
+    assert "JobState=COMPLETED" in final and "ExitCode=0:0" in final, final
+    assert log.count("mode=cpu/gloo") == 3 and "TP 1 x PP 2 x DP 1" in log and "schedule rrfp" in log
+    assert re.search(r"rank \d: SIGUSR1: saving a checkpoint after this iteration", log), log[-4000:]
+    assert re.search(r"rank \d: SIGTERM \(the launcher or scheduler is stopping the job\)", log), log[-4000:]
+
+    job_dir = out / JOB_NAME  # one directory for all three runs, outside the checkout
+    assert (job_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+    assert (job_dir / "traces" / f"rrfp-iter{TRAIN_ITERS}.json").exists()
+    assert any((job_dir / "tensorboard").iterdir())
+    assert len((job_dir / "job.env").read_text().splitlines()) == 3  # restart=0, 1, 2
+    report = goodput_report(str(job_dir / "goodput.db"))
+    assert report.sessions == 3 and not report.live
+    [disruption] = report.disruptions  # the SIGUSR1 stop was a clean end, not a disruption
+    assert disruption.kind == "JobTerminated" and disruption.resumed_from == int(again.group(1))
+    assert report.count("kept") == TRAIN_ITERS

@@ -21,54 +21,108 @@ TINY = ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--num-l
         "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "64", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0",
         "--train-iters", "6", "--log-interval", "1"]
-LOSS_LINE = re.compile(r"iteration\s+(\d+)/(\d+) \| schedule (\S+) \| lm loss (\S+) \|.*"
-                       r"iteration time ([\d.]+) ms \| tokens/s ([\d.]+) \| peak activations ([\d.]+) MB \| "
-                       r"in flight (\d+)")
+# Megatron-LM's training_log line (train/metrics.py)
+LOSS_LINE = re.compile(r"^ \[[\d\- :.]+\] iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| "
+                       r"elapsed time per iteration \(ms\): ([\d.]+) \| tokens per second: ([\d.]+) \| "
+                       r"learning rate: (\S+) \| global batch size:\s+8 \| lm loss: (\S+) \| loss scale: 1.0 \| "
+                       r"grad norm: ([\d.]+) \| peak memory \(MB\): ([\d.]+) \| peak activations \(MB\): ([\d.]+) \| "
+                       r"forwards in flight: (\d+) \| number of skipped iterations:\s+0 \| "
+                       r"number of nan iterations:\s+0 \|$", re.MULTILINE)
 LAUNCH_TIMEOUT_S = 150
 
 
-def train(*flags: str, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+def train(*flags: str, timeout: float = LAUNCH_TIMEOUT_S, env: dict | None = None) -> subprocess.CompletedProcess:
     """``megatron-rrfp train FLAGS`` (through the console script's module)."""
     return subprocess.run([sys.executable, "-m", "megatron_rrfp.cli", "train", *flags], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def memory(result: subprocess.CompletedProcess) -> dict[int, tuple[float, int]]:
     """Logged (peak activation MB, peak forwards in flight), max over ranks, per iteration."""
-    return {int(m.group(1)): (float(m.group(7)), int(m.group(8))) for m in LOSS_LINE.finditer(result.stdout)}
+    return {int(m.group(1)): (float(m.group(10)), int(m.group(11))) for m in LOSS_LINE.finditer(result.stdout)}
 
 
 def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
     assert result.returncode == 0, \
         f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
-    found = {int(m.group(1)): float(m.group(4)) for m in LOSS_LINE.finditer(result.stdout)}
+    found = {int(m.group(1)): float(m.group(7)) for m in LOSS_LINE.finditer(result.stdout)}
     assert found, f"no loss lines in:\n{result.stdout}"
     return found
 
 
 @pytest.fixture(scope="module")
 def rrfp_run(tmp_path_factory):
+    """rrfp with checkpoints, traces, TensorBoard, W&B (offline) and every timer."""
     out = tmp_path_factory.mktemp("rrfp")
     result = train(*TINY, "--pipeline-schedule", "rrfp", "--save", str(out / "ckpt"), "--save-interval", "3",
-                   "--rrfp-trace-dir", str(out / "trace"))
+                   "--rrfp-trace-dir", str(out / "trace"), "--tensorboard-dir", str(out / "tb"),
+                   "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--timing-log-level", "1",
+                   "--wandb-project", "rrfp-ci", "--wandb-exp-name", "tiny", "--wandb-save-dir", str(out / "wandb"),
+                   env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     return out, result
 
 
 @pytest.mark.timeout(200)
-def test_rrfp_trains_logs_and_writes_the_last_iteration_trace(rrfp_run):
+def test_rrfp_trains_logs_like_megatron_lm_and_writes_merged_traces(rrfp_run):
     out, result = rrfp_run
     found = losses(result)
     assert sorted(found) == [1, 2, 3, 4, 5, 6]
     assert found[6] < found[1] - 0.05, found  # learnable synthetic data: the loss falls
-    assert all(m.group(3) == "rrfp" and float(m.group(6)) > 0 for m in LOSS_LINE.finditer(result.stdout))
+    assert "TP 1 x PP 2 x DP 1" in result.stdout and "schedule rrfp, fp32, cpu/gloo" in result.stdout
+    lines = list(LOSS_LINE.finditer(result.stdout))
+    assert [int(m.group(3)) for m in lines] == [8 * i for i in range(1, 7)]  # consumed samples
+    assert all(float(m.group(5)) > 0 and float(m.group(9)) > 0 for m in lines)  # tokens/s, peak memory
+    # Megatron's timer block after each line, with the rrfp-* breakdown
+    assert result.stdout.count("(min, max) time across ranks (ms):") == 6
+    assert re.search(r"^    rrfp-bubble \.+: \([\d.]+, [\d.]+\)$", result.stdout, re.MULTILINE), result.stdout
     assert sorted(os.listdir(out / "ckpt")) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
-    merged = json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]
-    tasks = {(e["pid"], e["name"]) for e in merged if e.get("ph") == "X" and e["cat"] in ("F", "B")}
+
+    # one merged, common-clock trace per traced iteration (--log-interval 1: all six)
+    assert sorted(os.listdir(out / "trace")) == [f"rrfp-iter{n}.json" for n in range(1, 7)]
+    trace = json.loads((out / "trace" / "rrfp-iter6.json").read_text())
+    events = trace["traceEvents"]
+    tasks = {(e["pid"], e["name"]) for e in events if e.get("ph") == "X" and e["cat"] in ("F", "B")}
     assert tasks == {(rank, f"0{kind}{mb}") for rank in (0, 1) for kind in "FB" for mb in range(4)}, tasks
-    assert (out / "trace" / "rank00001.json").exists()
     # the default limit, 1x: never more forwards in flight than Megatron's PP = 2
     logged = memory(result)
     assert all(mb > 0 and n <= 2 for mb, n in logged.values()) and logged[1][1] == 2, logged
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(ends) == 8 and starts.keys() == ends.keys()  # 4 activations, 4 gradients
+    assert all({starts[i]["pid"], ends[i]["pid"]} == {0, 1} for i in starts)
+    # common clock: within a rank, send -> receive runs forward (slack: the clock offset estimate)
+    assert all(ends[i]["ts"] >= starts[i]["ts"] - 2e3 for i in starts), [(starts[i], ends[i]) for i in starts]
+    assert trace["otherData"]["ranks"]["1"]["order"].count("B") == 4
+
+
+@pytest.mark.timeout(200)
+def test_tensorboard_and_wandb_get_megatron_lm_tags(rrfp_run):
+    """Read the event files back with TensorBoard's own reader; W&B's offline run file holds the same keys."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, result = rrfp_run
+    logged = {int(m.group(1)): m for m in LOSS_LINE.finditer(result.stdout)}
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size", "tokens-per-sec", "iteration-time",
+                "mem-max-rss-bytes", "forward-backward-time", "optimizer-time", "rrfp-compute-time",
+                "rrfp-bubble-time", "lm loss vs samples", "learning-rate vs samples"):
+        assert tag in scalars, sorted(scalars)
+    for step in range(1, 7):  # --tensorboard-log-interval 1, --log-interval 1: the same numbers as the log line
+        line = logged[step]
+        assert scalars["lm loss"][step] == pytest.approx(float(line.group(7)), rel=1e-5)
+        assert scalars["learning-rate"][step] == pytest.approx(float(line.group(6)), rel=1e-5)
+        assert scalars["grad-norm"][step] == pytest.approx(float(line.group(8)), abs=1e-3)
+        assert scalars["iteration-time"][step] * 1e3 == pytest.approx(float(line.group(4)), abs=0.1)
+        assert scalars["mem-max-rss-bytes"][step] / 2**20 == pytest.approx(float(line.group(9)), abs=0.01)
+        assert scalars["rrfp-compute-time"][step] > 0 and scalars["forward-backward-time"][step] > 0
+    assert sorted(scalars["lm loss vs samples"]) == [8 * i for i in range(1, 7)]
+
+    [run_file] = list((out / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
+    data = run_file.read_bytes()  # protobuf records: the history keys are stored as plain strings
+    for key in (b"lm loss", b"learning-rate", b"grad-norm", b"iteration-time", b"rrfp-bubble-time"):
+        assert key in data, key
 
 
 @pytest.mark.timeout(200)
@@ -136,7 +190,7 @@ def test_flags_and_train_config_agree():
             "--pipeline-schedule", "--rrfp-buffer-limit", "--rrfp-trace-dir"} <= flags
 
 
-def test_samples_follow_megatrons_sampler_and_token_files_read_back(tmp_path):
+def test_samples_follow_megatrons_sampler():
     import torch
 
     from megatron_rrfp.train import data
@@ -151,16 +205,37 @@ def test_samples_follow_megatrons_sampler_and_token_files_read_back(tmp_path):
     assert torch.equal(batch["tokens"], torch.from_numpy(expected[:, :-1]))
     assert torch.equal(batch["labels"], torch.from_numpy(expected[:, 1:]))
 
-    tokens = np.arange(1000) % 64
-    for name in ("tokens.npy", "tokens.bin"):
-        path = data.write_token_file(str(tmp_path / name), tokens)
-        src = data.TokenFile(path, vocab_size=64, seq_length=8, micro_batch_size=2, dp_rank=0, dp_size=1,
-                             device=torch.device("cpu"))
-        first = next(src.microbatches(consumed_samples=5, count=1))
-        assert first["tokens"][0].tolist() == list(range(40, 48)) and first["labels"][0].tolist() == list(range(41, 49))
+
+
+def test_indexed_datasets_are_read_through_megatron_cores_gpt_dataset(tmp_path):
+    """A .bin/.idx written by megatron-core's own builder; samples are GPTDataset's, in
+    Megatron's sampler order, and a token outside the vocabulary is named."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_rrfp.train import data
+
+    documents = [np.arange(start, start + length) % 64 for start, length in ((0, 50), (7, 31), (20, 90), (3, 12))]
+    prefix = data.write_indexed_dataset(str(tmp_path / "text_document"), documents)
+    assert [d.tolist() for d in IndexedDataset(prefix)] == [d.tolist() for d in documents]
+    common = dict(vocab_size=64, seq_length=8, micro_batch_size=2, dp_size=2, device=torch.device("cpu"),
+                  num_samples=40, seed=5, build=True, cache_dir=str(tmp_path / "cache"))
+    source = data.IndexedTokens(prefix, dp_rank=1, **common)
+    stream = np.concatenate(documents)
+    windows = {tuple(stream[i:i + 9]) for i in range(len(stream) - 8)}
+    for index in range(12):
+        sample = source.sample(index)
+        assert sample[:-1].tolist() == source.dataset[index]["tokens"].tolist()  # megatron-core's sample
+        if all(np.diff(sample) % 64 == 1):  # a window inside one document is a run of the stream
+            assert tuple(sample) in windows
+    batch = next(source.microbatches(consumed_samples=16, count=2))  # samples 18, 19 (DP rank 1)
+    assert batch["tokens"].tolist() == [source.sample(i)[:-1].tolist() for i in (18, 19)]
+    assert batch["labels"].tolist() == [source.sample(i)[1:].tolist() for i in (18, 19)]
+    narrow = data.IndexedTokens(prefix, dp_rank=0, **{**common, "vocab_size": 32})
     with pytest.raises(ValueError, match="outside --vocab-size 32"):
-        next(data.TokenFile(path, vocab_size=32, seq_length=8, micro_batch_size=1, dp_rank=0, dp_size=1,
-                            device=torch.device("cpu")).microbatches(consumed_samples=7, count=1))
+        [narrow.sample(i) for i in range(40)]
+    with pytest.raises(ValueError, match="no_such.bin not found"):
+        data.IndexedTokens(str(tmp_path / "no_such"), dp_rank=0, **common)
 
 
 def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():

@@ -136,7 +136,7 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
     """From now on, hold each message back ``delay(message)`` seconds before the executor
     sees it (None: deliver at once again). Process-wide; installs itself on first use."""
     global _delivery
-    from ..runtime.executor import Inbox
+    from ..runtime.inbox import Inbox
 
     if _delivery is None:
         _delivery = _Delivery(Inbox.put)

@@ -7,7 +7,7 @@ The rank comes from, in order:
       is the first host of SLURM_JOB_NODELIST (``scontrol show hostnames``) unless
       MASTER_ADDR is set, the port MASTER_PORT or 20000 + job id mod 20000;
   nothing: a single process.
-(``launcher.spawn_local`` is what ``--nproc N`` does.)
+(``--nproc N`` runs torch's launcher, which sets the torchrun variables: ``torchrun.py``.)
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Local multi-process launches on this host: the one launcher of the project.
 
 ``launch(fn, ...)`` runs one function on N gloo ranks (benchmarks and tests) and turns any
-failure or hang into one readable error; ``spawn_local(nproc, command)`` runs a command
-as N ranks (``megatron-rrfp train --nproc N``) and names each rank that fails.
+failure or hang into one readable error. (``megatron-rrfp train --nproc N`` runs its ranks
+through torch's own launcher instead: ``dist/torchrun.py``.)
 
     from megatron_rrfp.dist.launcher import launch
     values = launch(check_ranks, world_size=4, tp=2, timeout=60)   # pp = 4 // (2*1) = 2
@@ -31,10 +31,7 @@ import shutil
 import signal
 import tempfile
 import time
-import subprocess
-import sys
 import traceback
-from typing import Optional, Sequence
 
 from .env import die_with_parent
 
@@ -42,7 +39,6 @@ __all__ = ["DistributedTestFailure", "RankOutcome", "launch"]
 
 # How long the other ranks get to finish (usually: fail too) after the first rank fails.
 GRACE_PERIOD_S = 10.0
-GRACE_S = GRACE_PERIOD_S
 # How long a SIGUSR1'd rank gets to write its stacks before SIGKILL.
 STACK_DUMP_WAIT_S = 2.0
 _TAIL_LINES = 30
@@ -435,77 +431,3 @@ def _hard_exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# -- commands: `megatron-rrfp train --nproc N` --------------------------------------------
-
-def spawn_local(nproc: int, command: Sequence[str], *, env: Optional[dict] = None,
-                timeout_s: Optional[float] = None) -> int:
-    """Run ``command`` as ranks 0..nproc-1 on this host; return the first failing rank's
-    exit status (128 + N if signal N killed it; 124 on timeout) or 0. Children share this
-    process's stdout/stderr; each failing rank is named on stderr. When one rank fails the
-    others get GRACE_S seconds, then SIGKILL; children die with this process (Linux)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s or 3600))
-    base = {**os.environ, **(env or {}), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True"}  # the children connect to our store
-    if "GLOO_SOCKET_IFNAME" not in base and os.path.exists("/sys/class/net/lo"):
-        base["GLOO_SOCKET_IFNAME"] = "lo"  # containers often resolve the hostname to no route
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(nproc):
-            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen(list(command), env=child_env, preexec_fn=die_with_parent))
-        return _wait(procs, timeout_s)
-    finally:
-        for proc in procs:  # only alive here on an exception or timeout
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        del store
-
-
-def _wait(procs: list, timeout_s: Optional[float]) -> int:
-    """Poll the ranks; name each one that fails. Returns the first failure's exit status,
-    124 on timeout, else 0. After the first failure the others get GRACE_S seconds."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failed_at, code, reported = None, 0, set()
-    while True:
-        now = time.monotonic()
-        for rank, proc in enumerate(procs):
-            if proc.poll() not in (None, 0) and rank not in reported:
-                reported.add(rank)
-                _launcher_says(f"rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)}")
-                if failed_at is None:
-                    failed_at, code = now, exit_status(proc.returncode)
-        running = [rank for rank, proc in enumerate(procs) if proc.returncode is None]
-        if not running:
-            return code
-        if failed_at is not None and now - failed_at > GRACE_S:
-            _launcher_says(f"ranks {running} still running {GRACE_S:g} s after the first failure; killing them")
-            return code
-        if deadline is not None and now > deadline:
-            _launcher_says(f"ranks {running} still running after {timeout_s:g} s; killing them")
-            return code or 124
-        time.sleep(0.1)
-
-
-def exit_status(returncode: int) -> int:
-    """A child's status as a shell reports it: 128 + N for a child killed by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _launcher_says(message: str) -> None:
-    print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)

@@ -63,12 +63,12 @@ Megatron-LM plugin (``megatron_rrfp/integration.py``), wrapping names in
 activation memory and forwards in flight, max over ranks: bytes are not times, so they
 stay out of Megatron's timers.
 ``publish_to_timers`` adds the breakdown to timers 'rrfp-compute', 'rrfp-bubble',
-'rrfp-backpressure', 'rrfp-tp-agreement', 'rrfp-flush' (log level 1, like
-'forward-backward'; shown with ``--timing-log-level >= 1``). Megatron-LM's
-``training_log`` logs and writes to TensorBoard (``--log-timers-to-tensorboard``) a fixed
-list of names; ``extend_timer_logging(timers)`` appends the rrfp-* names whenever that
-list is logged (it contains 'forward-backward'), identically on all ranks as those
-collective calls require.
+'rrfp-backpressure', 'rrfp-tp-agreement', 'rrfp-flush' (the integrations use log level 0,
+so they exist at every ``--timing-log-level``). Megatron-LM's ``training_log`` logs and
+writes to TensorBoard (``--log-timers-to-tensorboard``, as ``rrfp-*-time``) a fixed list of
+names; ``extend_timer_logging(timers)`` appends the rrfp-* names whenever that list is
+logged (it contains 'forward-backward', or is empty at level 0), identically on all ranks
+as those collective calls require.
 """
 from __future__ import annotations
 
@@ -343,7 +343,9 @@ class _WithRRFPNames:
         self.original, self.names, self.trigger = original, list(names), trigger
 
     def __call__(self, names, *args, **kwargs):
-        if self.trigger in names:
+        # training_log's list: it holds 'forward-backward' at --timing-log-level >= 1 and is
+        # empty at level 0 (other callers always name their timers)
+        if self.trigger in names or len(names) == 0:
             names = list(names) + [n for n in self.names if n not in names]
         return self.original(names, *args, **kwargs)
 

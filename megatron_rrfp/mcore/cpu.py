@@ -44,6 +44,12 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.timers",  # Timer.start/stop synchronize CUDA; min/max gather on current_device()
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale = torch.tensor([1.0], device='cuda')
     "megatron.core.optimizer.clip_grads",  # get_grad_norm_fp32: torch.zeros(1, device='cuda') buffers
+    # dist_checkpointing (--ckpt-format torch_dist): torch.cuda.synchronize() before and after
+    # writing, 'cuda' flag tensors in the save's collectives
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
 )
 # torch functions that take `device=`; only these are wrapped, so classes such as
 # torch.Tensor stay real classes (isinstance checks keep working).
@@ -169,6 +175,32 @@ def enable_cpu_optimizer() -> None:
         return  # CUDA is available: nothing to bend
     importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
         _clip_grad_by_total_norm
+
+
+@contextlib.contextmanager
+def cpu_tensor_types_named_as_cuda():
+    """While building megatron-core's mixed-precision (bf16/fp16) optimizer on CPU.
+
+    Its constructor sorts parameters by their ``param.type()`` string and accepts only
+    'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor' / 'torch.cuda.HalfTensor'; a CPU
+    parameter's string lacks 'cuda.'. For the duration, ``Tensor.type()`` (no arguments) of a
+    CPU tensor answers with the CUDA name; nothing else changes. A no-op where CUDA is available.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 @torch.no_grad()

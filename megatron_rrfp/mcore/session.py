@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..runtime.agreement import create_agreement_groups
 from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_channel_groups, create_pair_groups, warm_up
-from ..runtime.executor import Inbox
+from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit

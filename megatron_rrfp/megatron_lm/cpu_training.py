@@ -5,6 +5,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import os
 import time
 
 import torch
@@ -28,6 +29,9 @@ from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_argume
 #   CUDA RNG (manual_seed, get/set_rng_state)  the CPU generator (fork() is a no-op above,
 #                                         so dropout draws from it)
 #   memory statistics, empty_cache        0 / no-op
+#   get_device_properties / _capability   a "cpu" device of compute capability 0.0 (validate_args
+#                                         asks for it at TP/CP > 1); CUDA_DEVICE_MAX_CONNECTIONS=1,
+#                                         which validate_args then requires, is set if unset
 #   torch.<factory>(device="cuda"), Tensor.cuda(), Module.cuda()   stay on CPU
 #   initialize_megatron                   called with allow_no_cuda=True
 #   fused kernels (<= 0.16)               not built (torch fallbacks are used; pass the
@@ -110,6 +114,17 @@ class _CpuEvent:
         return True
 
 
+class _CpuDeviceProperties:
+    """What torch.cuda.get_device_properties answers about this host's "device"."""
+
+    name = gcnArchName = "cpu"  # torch.compile's cache key reads gcnArchName on non-CUDA builds
+    major = 0
+    minor = 0
+    is_integrated = False
+    multi_processor_count = os.cpu_count() or 1
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+
+
 def _cpu_seed(seed) -> None:
     torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls back into cuda
 
@@ -139,9 +154,14 @@ def _redirect_torch_cuda() -> None:
         "max_memory_reserved": lambda device=None: 0,
         "memory_stats": lambda device=None: {},
         "reset_peak_memory_stats": lambda device=None: None,
+        "get_device_properties": lambda device=None: _CpuDeviceProperties(),
+        "get_device_capability": lambda device=None: (0, 0),
+        "get_device_name": lambda device=None: "cpu",
     }
     for name, fn in redirects.items():
         setattr(cuda, name, fn)
+    # Megatron-LM's validate_args requires it at TP/CP > 1 on pre-Blackwell devices; no meaning on CPU
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
 

@@ -1,8 +1,10 @@
-"""Goodput ledger and RRFP traces for Megatron-LM's own training loop, without editing it.
+"""RRFP's timers, goodput ledger and traces in Megatron-LM's own training loop, without editing it.
 
 ``megatron_rrfp.install()`` (which ``python -m megatron_rrfp.launch`` calls) attaches
-these hooks; they act in a run whose command line selects ``--pipeline-schedule rrfp``
-with ``--rrfp-goodput-ledger`` and/or ``--rrfp-trace-dir``::
+these hooks; they act in every run whose command line selects ``--pipeline-schedule rrfp``:
+the rrfp-* breakdown always goes to Megatron's timers (so training_log prints it and
+``--log-timers-to-tensorboard`` writes it as ``rrfp-*-time``, at any ``--timing-log-level``),
+the ledger and traces with ``--rrfp-goodput-ledger`` and/or ``--rrfp-trace-dir``::
 
     torchrun --nproc-per-node 8 -m megatron_rrfp.launch pretrain_gpt.py \\
         --pipeline-model-parallel-size 8 --pipeline-schedule rrfp \\
@@ -22,15 +24,16 @@ training-loop hooks", says why Megatron sees each wrapper and what differs by re
     save_checkpoint            save_checkpoint directly; a nested call records once)
     train_step                 iteration_start(it) ... iteration(it, tokens, report) --
                                COLLECTIVE (a small all-gather) on every rank --, the report's
-                               breakdown added to the rrfp-* timers (publish_to_timers), and
-                               every --log-interval iterations and at --train-iters this
-                               rank's spans written to DIR/rrfp-rank{R}-iter{N}.json and
-                               (rank 0) a line with the peak activation memory and forwards
-                               in flight, max over ranks (a 2-float all-gather)
+                               breakdown added to the rrfp-* timers (publish_to_timers, log
+                               level 0), and every --log-interval iterations and at
+                               --train-iters (rank 0) a line with the peak activation memory
+                               and forwards in flight, max over ranks (a 2-float all-gather),
+                               and every rank's spans gathered (COLLECTIVE) into one
+                               common-clock trace DIR/rrfp-iter{N}.json written by rank 0
 
 it = args.curr_iteration + 1 (1-based, the number Megatron logs); tokens = current global
-batch x --seq-length (whole job, not per rank); R = global rank, which is also the trace's
-pid. report = the RRFP iteration that train_step ran (None when the step ran another
+batch x --seq-length (whole job, not per rank); the trace's pid is the global rank.
+report = the RRFP iteration that train_step ran (None when the step ran another
 schedule, e.g. at pipeline size 1: the ledger then counts the step as productive, unsplit).
 
 Neither the ledger nor a trace can stop training: the recorder never raises after its
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
-from ..trace.chrome import write_chrome_trace
+from ..trace.merge import write_merged_trace
 from . import hookpoints
 
 __all__ = ["HookOptions", "HookWarning", "MegatronLMHooks", "TraceWarning", "TraceWriter", "trace_due"]
@@ -74,7 +77,9 @@ class HookOptions:
     ledger_path: Optional[str] = None
     """--rrfp-goodput-ledger: the SQLite goodput ledger (rank 0 writes, every rank takes part)."""
     trace_dir: Optional[str] = None
-    """--rrfp-trace-dir: per-rank Chrome/Perfetto traces of the latest RRFP iteration."""
+    """--rrfp-trace-dir: one merged Chrome/Perfetto trace of all ranks per traced iteration."""
+    timers: bool = True
+    """The rrfp-* breakdown in Megatron's timers (training_log prints / writes them)."""
 
     @classmethod
     def from_args(cls, args) -> HookOptions:
@@ -83,7 +88,7 @@ class HookOptions:
 
     @property
     def active(self) -> bool:
-        return bool(self.ledger_path or self.trace_dir)
+        return bool(self.ledger_path or self.trace_dir or self.timers)
 
 
 def trace_due(iteration: int, *, log_interval: Optional[int], last_iteration: Optional[int]) -> bool:
@@ -92,7 +97,10 @@ def trace_due(iteration: int, *, log_interval: Optional[int], last_iteration: Op
 
 
 class TraceWriter:
-    """One rank's measured spans -> ``DIR/rrfp-rank{R}-iter{N}.json``; never raises."""
+    """Every rank's measured spans of one iteration -> one merged, common-clock trace
+    ``DIR/rrfp-iter{N}.json`` written by rank 0 (pid = rank; an arrow from each send to its
+    receive; trace/merge.py). ``write`` is COLLECTIVE (every rank, same iterations); it never
+    raises: a failure gives one TraceWarning per rank and training goes on."""
 
     def __init__(self, trace_dir: str, rank: int) -> None:
         self.trace_dir, self.rank = trace_dir, rank
@@ -100,23 +108,26 @@ class TraceWriter:
         self.failed = 0
 
     def path(self, iteration: int) -> str:
-        return os.path.join(self.trace_dir, f"rrfp-rank{self.rank}-iter{iteration}.json")
+        return os.path.join(self.trace_dir, f"rrfp-iter{iteration}.json")
 
-    def write(self, iteration: int, report) -> Optional[str]:
-        """Write ``report.spans`` (an executor.IterationReport); None if nothing was written."""
+    def write(self, iteration: int, report, *, metadata: Optional[dict] = None) -> Optional[str]:
+        """Gather ``report.spans`` (an executor.IterationReport) of every rank; the path on
+        rank 0, None elsewhere or if nothing was written. ``report`` None (not an RRFP step:
+        the same on every rank) writes nothing and gathers nothing."""
         if report is None or not report.spans:
             return None  # not an RRFP step, or spans were not recorded
         path = self.path(iteration)
-        metadata = {"source": "megatron-rrfp measured", "iteration": iteration, "rank": self.rank,
-                    "stage": report.stage, "order": report.order_string, "wall_s": report.wall_s,
-                    "compute_s": report.compute_s, "wait_s": report.wait_s,
-                    "backpressure_s": report.backpressure_s, "agree_s": report.agree_s, "flush_s": report.flush_s,
-                    "peak_activation_bytes": report.peak_activation_bytes,
-                    "activation_measure": report.activation_measure, "peak_in_flight": report.peak_in_flight,
-                    "buffer_limit": report.buffer_limit}
+        info = {"stage": report.stage, "order": report.order_string, "wall_s": report.wall_s,
+                "compute_s": report.compute_s, "wait_s": report.wait_s, "backpressure_s": report.backpressure_s,
+                "agree_s": report.agree_s, "flush_s": report.flush_s,
+                "peak_activation_bytes": report.peak_activation_bytes,
+                "activation_measure": report.activation_measure, "peak_in_flight": report.peak_in_flight,
+                "buffer_limit": report.buffer_limit}
         try:
-            write_chrome_trace(report.spans, path, metadata=metadata,
-                               rank_labels={self.rank: f"rank {self.rank} (stage {report.stage})"})
+            written = write_merged_trace(report.spans, report.started_at, path,
+                                         label=f"rank {self.rank} (stage {report.stage})", info=info,
+                                         metadata={"source": "megatron-rrfp measured", "iteration": iteration,
+                                                   **(metadata or {})})
         except Exception as exc:  # mostly OSError; a trace is diagnostics and must not stop training
             self.failed += 1
             if self.failed == 1:
@@ -124,8 +135,9 @@ class TraceWriter:
                               f"{exc}); training continues; later trace failures on this rank are not reported",
                               TraceWarning, stacklevel=2)
             return None
-        self.written += 1
-        return path
+        if written is not None:
+            self.written += 1
+        return written
 
 
 class _Run:
@@ -145,7 +157,7 @@ class _Run:
 
     def step_done(self, iteration: int, report, margs) -> None:
         self.recorder.iteration(iteration, tokens=hookpoints.tokens_per_iteration(margs), report=report)
-        publish_to_timers(self.timers, report)
+        publish_to_timers(self.timers, report, log_level=0)  # level 0: shown at any --timing-log-level
         log_interval, last_iteration = hookpoints.trace_points(margs)
         if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
             line = peak_memory_line(report, iteration, world=self.world)  # collective: every rank, same steps

@@ -13,13 +13,14 @@ exits with a message naming the flag) and, with ``--pipeline-schedule rrfp``, Me
 schedule lookup is routed to the readiness-first executor. With the default ``1f1b``
 nothing of Megatron behaves differently.
 
-Goodput ledger and traces (``--pipeline-schedule rrfp`` with ``--rrfp-goodput-ledger PATH``
-and/or ``--rrfp-trace-dir DIR``): install() also wraps Megatron-LM's ``pretrain`` (inert
-unless such a run is active); once the flags are parsed, the names that
-megatron.training.training looks up at call time (setup_model_and_optimizer,
+Timers, goodput ledger and traces (``--pipeline-schedule rrfp``; the ledger with
+``--rrfp-goodput-ledger PATH``, traces with ``--rrfp-trace-dir DIR``): install() also wraps
+Megatron-LM's ``pretrain`` (inert unless such a run is active); once the flags select rrfp,
+the names that megatron.training.training looks up at call time (setup_model_and_optimizer,
 load_checkpoint, save_checkpoint_and_time, save_checkpoint, train_step) are wrapped so that
-every rank feeds a GoodputRecorder and writes its RRFP spans as Chrome/Perfetto traces
-(megatron_rrfp.megatron_lm_hooks). ``megatron-rrfp goodput PATH`` reads the ledger.
+every rank adds its rrfp-* breakdown to Megatron's timers, feeds a GoodputRecorder and
+writes merged Chrome/Perfetto traces (megatron_lm/hooks.py). ``megatron-rrfp goodput PATH``
+reads the ledger.
 
 megatron-core alone (no megatron.training, e.g. the 0.16.1 wheel)::
 
@@ -179,7 +180,8 @@ def _hook_training_loop() -> None:
 
 
 def _record_training_loop(options: Optional[HookOptions]) -> None:
-    """After parsing: wrap the loop's call-time names when a ledger or trace dir is asked for."""
+    """After parsing: wrap the loop's call-time names when rrfp is selected (timers, and the
+    ledger / traces when asked for)."""
     hooks = _state.training_hooks
     if hooks is None:
         return

@@ -10,14 +10,15 @@ options come before it. The script runs as ``__main__`` with the same ``sys.argv
 
 ``--cpu`` (or ``RRFP_CPU=1``) trains on a host without CUDA over gloo: CUDA device,
 stream, event, RNG and synchronize calls are redirected to CPU equivalents,
-``torch.cuda.device_count()`` reports 1, ``initialize_megatron`` gets
-``allow_no_cuda=True`` and no fused kernels are built (``cpu_training.py``). A tiny
-GPT, PP=2, checked with Megatron-LM core_v0.16.1 and the megatron-core 0.16.1 wheel
-(the checkout's dataset helpers need building, or the wheel's helpers_cpp*.so copied
-in; its megatron.training imports triton)::
+``torch.cuda.device_count()`` reports 1, the device properties Megatron asks for at TP > 1
+describe a "cpu" device, ``initialize_megatron`` gets ``allow_no_cuda=True`` and no fused
+kernels are built (``cpu_training.py``). A tiny GPT at TP=2 x PP=2 (and DP=2 x PP=2),
+checked with Megatron-LM core_v0.16.1 and the megatron-core 0.16.1 wheel; ``pip install
+'megatron-rrfp[megatron-lm]'`` installs what megatron.training imports and pybind11, with
+which Megatron builds its dataset helpers at start-up::
 
-    torchrun --nproc-per-node 2 -m megatron_rrfp.launch --cpu $MEGATRON_LM/pretrain_gpt.py \
-        --pipeline-model-parallel-size 2 --pipeline-schedule rrfp \
+    torchrun --nproc-per-node 4 -m megatron_rrfp.launch --cpu $MEGATRON_LM/pretrain_gpt.py \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule rrfp \
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
         --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 \
         --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant --clip-grad 0 \

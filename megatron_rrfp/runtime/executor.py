@@ -10,14 +10,19 @@ Failure handling: a transport error (peer died) or ``timeout_s`` without any pro
 raises ``PipelineStallError`` carrying a dump of this rank's ready set and counters.
 
 The transport is driven from this loop at every decision: ``advance(state)`` lets it
-issue what the (agreed) progress counters allow (``round_transport.py`` issues device
+issue what the (agreed) progress counters allow (``rounds.py`` issues device
 rounds there, so every TP rank issues them at the same point of its task sequence),
 ``can_dispatch()`` keeps the host at most a few tasks ahead of the device, and a
 received tensor is waited for (``Message.wait()``) only when the task that uses it runs.
+
+Profiling: every task runs inside a ``record_function`` / NVTX range named like "0F3"
+(``profiling.py``). With ``record_spans`` the report keeps each task's span (device time on
+CUDA), each wait, and each received message ("recv" spans from its arrival to its
+absorption); a task that sent a message and the receiver's "recv" span carry the same
+message key, from which traces draw a flow arrow from the send to the receive.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Optional, Protocol
@@ -27,9 +32,11 @@ import torch
 from ..policy.actions import Kind, Task, format_order
 from ..policy.arbiter import Arbiter
 from ..policy.topology import Topology
-from ..trace.chrome import Span
+from ..trace.chrome import Span, message_key
 from .agreement import Agreed, AgreementError, TPAgreement
+from .inbox import Inbox
 from .memory import ActivationMeter
+from .profiling import TaskClock
 from .report import BREAKDOWN_FIELDS, IterationReport
 
 
@@ -71,54 +78,6 @@ class Transport(Protocol):
     def flush(self, timeout: float) -> None: ...
 
 
-class Inbox:
-    """Thread-safe mailbox between transport threads and the compute loop."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._messages: list = []
-        self._error: Optional[BaseException] = None
-        self._woken = False
-        self._closed = False
-
-    def put(self, message) -> None:
-        with self._cv:
-            if not self._closed:
-                self._messages.append(message)
-                self._cv.notify()
-
-    def close(self) -> int:
-        """Drop what is waiting and refuse what still arrives (the runtime was discarded
-        after a failure); returns how many messages were dropped."""
-        with self._cv:
-            dropped, self._messages, self._closed = len(self._messages), [], True
-            return dropped
-
-    def fail(self, error: BaseException) -> None:
-        with self._cv:
-            self._error = error
-            self._cv.notify()
-
-    def drain(self) -> list:
-        with self._cv:
-            if self._error is not None:
-                raise self._error
-            messages, self._messages = self._messages, []
-            return messages
-
-    def wait(self, timeout: float) -> None:
-        with self._cv:
-            if not self._messages and self._error is None and not self._woken:
-                self._cv.wait(timeout)
-            self._woken = False
-
-    def wake(self) -> None:
-        """Wake the loop without a message (the transport has something to advance)."""
-        with self._cv:
-            self._woken = True
-            self._cv.notify()
-
-
 class PipelineIteration:
     """Run every task of one stage for one iteration."""
 
@@ -137,6 +96,8 @@ class PipelineIteration:
         self.forward_done: set[tuple[int, int]] = set()
         self.backwards_left = 0 if forward_only else arbiter.num_microbatches * topology.num_chunks
         self.report = IterationReport(rank=self.rank, stage=stage, order=arbiter.dispatched)
+        self.clock = TaskClock(record_spans=record_spans)
+        self._sent: list[tuple[str, float]] = []  # (message key, host time) of the running task's sends
         self._last_progress = time.monotonic()
         self._t0 = 0.0
         self._posted_view: tuple = ()
@@ -149,7 +110,7 @@ class PipelineIteration:
     # -- the loop --------------------------------------------------------------------
 
     def run(self) -> IterationReport:
-        self._t0 = time.time()
+        self._t0 = self.report.started_at = time.time()
         self._post_expectations()
         m = self.arbiter.num_microbatches
         if self.topology.is_first(self.stage, 0):
@@ -164,6 +125,7 @@ class PipelineIteration:
         start = time.time()
         self.transport.flush(self.timeout_s)
         self.report.flush_s = time.time() - start
+        self.clock.resolve(self._t0)
         self.report.wall_s = time.time() - self._t0
         self.report.peak_in_flight = self.arbiter.peak_in_flight
         if self.agreement is not None:
@@ -362,11 +324,17 @@ class PipelineIteration:
 
     def _absorb(self) -> None:
         try:
-            messages = self.inbox.drain()
+            messages = self.inbox.drain_timed()
         except Exception as exc:
             raise PipelineStallError(self._diagnosis(f"transport failed: {exc}")) from exc
-        for message in messages:
+        absorbed = time.time()
+        for arrived, message in messages:
             self._check_message(message)
+            if self.record_spans:
+                kind = Kind.F if message.kind == "activation" else Kind.B
+                key = message_key(message.src, self.rank, message.kind, message.microbatch, message.chunk)
+                self._span(f"recv {Task(kind, message.microbatch, message.chunk)}", "recv", arrived,
+                           max(absorbed, arrived + 1e-6), {"flow_in": key, "from": message.src})
             key = (message.microbatch, message.chunk)
             self._last_progress = time.monotonic()
             self._arrivals[message.src].append((message.kind, key))
@@ -419,8 +387,21 @@ class PipelineIteration:
         return set()
 
     def _execute(self, task: Task, enabled: set[Task]) -> None:
-        mb, chunk = task.microbatch, task.chunk
+        name = str(task)
         start = time.time()
+        with self.clock.task(name) as events:
+            self._run_task(task)
+        end = time.time()
+        self.report.compute_s += end - start
+        if self.record_spans:
+            sends = [(key, sent - start) for key, sent in self._sent]  # seconds into the task
+            span = self._span(name, task.kind.value, start, end, {"flow_out": sends} if sends else None)
+            self.clock.on_device(span, events)
+            self._sent = []
+        self.ready |= enabled
+
+    def _run_task(self, task: Task) -> None:
+        mb, chunk = task.microbatch, task.chunk
         if task.kind is Kind.F:
             downstream = self.topology.downstream(self.stage, chunk)
             send = None if downstream is None else self._sender("activation", mb, downstream)
@@ -437,10 +418,6 @@ class PipelineIteration:
             self._released(received)
         else:
             self.work.weight(task)
-        self.ready |= enabled
-        end = time.time()
-        self.report.compute_s += end - start
-        self._span(str(task), task.kind.value, start, end)
 
     @staticmethod
     def _take(received: dict, key: tuple[int, int]) -> Optional[torch.Tensor]:
@@ -453,7 +430,12 @@ class PipelineIteration:
 
     def _sender(self, kind: str, mb: int, peer: tuple[int, int]) -> Callable[[torch.Tensor], None]:
         dst = self.stage_ranks[peer[0]]
-        return lambda tensor: self.transport.send(dst, kind, mb, peer[1], tensor)
+
+        def send(tensor: torch.Tensor) -> None:
+            if self.record_spans:  # the arrow starts at the send, inside the task's span
+                self._sent.append((message_key(self.rank, dst, kind, mb, peer[1]), time.time()))
+            self.transport.send(dst, kind, mb, peer[1], tensor)
+        return send
 
     def _post_expectations(self) -> None:
         counts: dict[int, int] = {}
@@ -473,9 +455,13 @@ class PipelineIteration:
 
     # -- diagnostics -----------------------------------------------------------------
 
-    def _span(self, name: str, category: str, start: float, end: float) -> None:
+    def _span(self, name: str, category: str, start: float, end: float, args: Optional[dict] = None
+              ) -> Optional[Span]:
         if self.record_spans and end > start:
-            self.report.spans.append(Span(self.rank, name, category, start - self._t0, end - self._t0))
+            span = Span(self.rank, name, category, start - self._t0, end - self._t0, args or {})
+            self.report.spans.append(span)
+            return span
+        return None
 
     def _diagnosis(self, reason: str) -> str:
         state = self.arbiter.describe()

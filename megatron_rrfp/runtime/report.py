@@ -17,6 +17,7 @@ class IterationReport:
     rank: int
     stage: int
     order: list[Task]
+    started_at: float = 0.0  # this rank's host clock (time.time()) at the start; spans count from here
     wall_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0  # blocked on readiness: the pipeline bubble seen by this rank

@@ -42,6 +42,8 @@ def transformer_config(cfg):
                  ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size)
     if cfg.model == "multimodal":
         return multimodal.multimodal_config(**sizes)
+    if cfg.bf16:  # Megatron-LM's --bf16: bf16 weights and p2p, fp32 main weights in the optimizer
+        sizes.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     return models.tiny_gpt_config(**sizes)
 
 
@@ -57,7 +59,13 @@ def build_model(cfg, device: torch.device):
     else:
         stage = models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
     stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
+    if cfg.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        stage = Float16Module(config, stage)  # bf16 inputs in, fp32 logits out, as Megatron-LM wraps it
+    # bf16: gradients accumulate and all-reduce in fp32 (Megatron-LM's default with --bf16)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False,
+                                                                        grad_reduce_in_fp32=cfg.bf16), stage)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddp
@@ -67,19 +75,22 @@ def forward_step_func(cfg) -> Callable:
     return multimodal.multimodal_forward_step if cfg.model == "multimodal" else models.gpt_forward_step
 
 
-def build_optimizer(cfg, model):
-    """(optimizer, scheduler): megatron-core's Adam (torch's when TE/apex are absent)."""
+def build_optimizer(cfg, model, timers=None):
+    """(optimizer, scheduler): megatron-core's Adam (torch's when TE/apex are absent); with
+    --bf16 its mixed-precision optimizer (fp32 main weights); ``timers``: Megatron's."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if cfg.cpu:
-        from ..mcore.cpu import enable_cpu_optimizer
+    from ..mcore.cpu import cpu_tensor_types_named_as_cuda, enable_cpu_optimizer
 
+    if cfg.cpu:
         enable_cpu_optimizer()
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False),
-        [model])
+    with cpu_tensor_types_named_as_cuda():  # bf16 on CPU: see there
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=False,
+                            timers=timers),
+            [model])
     model.config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
@@ -108,7 +119,12 @@ def build_data(cfg, *, dp_rank: int, dp_size: int, device: torch.device):
         return multimodal.MultimodalStream(multimodal_spec(cfg), seed=cfg.seed, images_per_sample=cfg.images_per_sample,
                                      **common)
     if cfg.data_path:
-        return data.TokenFile(cfg.data_path, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, **common)
+        from megatron.core import parallel_state as ps
+
+        reads = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()  # middle stages read no data
+        return data.IndexedTokens(cfg.data_path, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                                  num_samples=cfg.train_iters * cfg.global_batch_size, seed=cfg.seed, build=reads,
+                                  cache_dir=cfg.data_cache_path, **common)
     return data.SyntheticTokens(vocab_size=cfg.vocab_size, seed=cfg.seed, seq_length=cfg.seq_length, **common)
 
 

@@ -10,6 +10,7 @@ values, before any process starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field, fields
@@ -19,6 +20,7 @@ from ..checks import Bound, bound, check_fields, integer
 from ..mcore.config import DEFAULT_TIMEOUT_S
 from ..megatron_lm.flags import add_rrfp_arguments, rrfp_config_from_args, validate_rrfp_arguments
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
+from .signals import EXIT_SIGNALS
 
 
 def _flag(default, help: str, group: str, **argparse_kwargs):
@@ -66,9 +68,12 @@ class TrainConfig:
     clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: off)", "optimizer")
     seed: int = _flag(1234, "seed of weights, synthetic data and RNGs", "optimizer")
     # data, checkpoints, logging
-    data_path: Optional[str] = _flag(None, "flat token file (.npy, or raw uint16); default: synthetic data "
-                                     "(python -m megatron_rrfp.train.data writes one)", "data and checkpoints",
+    data_path: Optional[str] = _flag(None, "prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx), read by "
+                                     "megatron-core's GPTDataset; default: synthetic data (python -m "
+                                     "megatron_rrfp.train.data PREFIX writes a small one)", "data and checkpoints",
                                      type=str)
+    data_cache_path: Optional[str] = _flag(None, "where GPTDataset caches its sample index (default: beside the data)",
+                                           "data and checkpoints", type=str)
     save: Optional[str] = _flag(None, "checkpoint directory (also saved after the last iteration)",
                                 "data and checkpoints", type=str)
     save_interval: Optional[int] = _flag(None, "save every N iterations", "data and checkpoints", type=int)
@@ -76,12 +81,37 @@ class TrainConfig:
                                 type=str)
     load_iteration: Optional[int] = _flag(None, "resume from this saved iteration instead of the latest",
                                           "data and checkpoints", type=int)
-    log_interval: int = _flag(10, "print iteration, loss, iteration time and tokens/s every N iterations "
-                              "(on the last pipeline stage)", "data and checkpoints")
+    ckpt_format: str = _flag("torch", "torch: per-rank torch.save files (same layout to resume); torch_dist: "
+                             "megatron-core dist_checkpointing, Megatron-LM's format (--load reads either)",
+                             "data and checkpoints", choices=("torch", "torch_dist"))
+    exit_signal_handler: bool = _flag(False, "on --exit-signal save a checkpoint after the current iteration and exit "
+                                      "0 (SLURM: #SBATCH --signal=USR1@120 with --exit-signal SIGUSR1)",
+                                      "data and checkpoints", action="store_true")
+    exit_signal: str = _flag("SIGTERM", "the signal --exit-signal-handler acts on", "data and checkpoints",
+                             choices=EXIT_SIGNALS)
+    # logging (Megatron-LM's flags and tag names; see train/metrics.py)
+    log_interval: int = _flag(10, "print Megatron-LM's log line (iteration, loss, time per iteration, tokens/s, ...) "
+                              "every N iterations (on the last rank)", "logging")
+    tensorboard_dir: Optional[str] = _flag(None, "write TensorBoard scalars here (last rank)", "logging", type=str)
+    tensorboard_log_interval: int = _flag(1, "TensorBoard / W&B scalars every N iterations", "logging")
+    log_timers_to_tensorboard: bool = _flag(False, "also write iteration-time and every timer (<name>-time, the rrfp-* "
+                                            "breakdown included)", "logging", action="store_true")
+    log_memory_to_tensorboard: bool = _flag(False, "also write peak memory (mem-max-allocated-bytes on GPUs, "
+                                            "mem-max-rss-bytes on CPU)", "logging", action="store_true")
+    timing_log_level: int = _flag(0, "megatron-core timers: 0 (rrfp-* only), 1 (+ forward-backward, optimizer), "
+                                  "2 (+ forward-compute, backward-compute)", "logging", choices=(0, 1, 2))
+    wandb_project: Optional[str] = _flag(None, "log to this W&B project (last rank; WANDB_MODE=offline without "
+                                         "network)", "logging", type=str)
+    wandb_exp_name: Optional[str] = _flag(None, "W&B run name (needed with --wandb-project)", "logging", type=str)
+    wandb_save_dir: Optional[str] = _flag(None, "W&B files go here (default SAVE/wandb)", "logging", type=str)
+    bf16: bool = _flag(False, "bf16 weights and activations, fp32 main weights and gradient reduction (Megatron-LM's "
+                       "--bf16)", "parallelism", action="store_true")
     # launching
     cpu: bool = _flag(False, "train on CPU over gloo (megatron-core bent to CPU by megatron_rrfp.mcore.cpu)",
                       "launching", action="store_true")
-    nproc: Optional[int] = _flag(None, "start N local ranks (instead of torchrun/srun)", "launching", type=int)
+    nproc: Optional[int] = _flag(None, "start N local ranks through torch's launcher (torch.distributed.run, "
+                                 "standalone rendezvous), as torchrun --standalone --nproc-per-node N would",
+                                 "launching", type=int)
     distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives", "launching")
     # schedule: options.add_rrfp_arguments
     pipeline_schedule: str = _shared("1f1b")
@@ -109,6 +139,7 @@ BOUNDS: dict[str, Bound] = {
     "seed": integer(0, 2**32 - 1),  # numpy's seed range
     "load_iteration": integer(0, 10**9, optional=True),
     "nproc": integer(1, 1024, optional=True),
+    "tensorboard_log_interval": integer(1, 10**9), "timing_log_level": integer(0, 2),
     "distributed_timeout_minutes": bound(0, 7 * 24 * 60, low_open=True),  # a week, like --rrfp-timeout
 }
 """Accepted range of every numeric flag (the --rrfp-* ones: megatron_lm/flags.py): the
@@ -193,6 +224,13 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     _require(c.rrfp_goodput_ledger is None or not os.path.isdir(c.rrfp_goodput_ledger),
              f"--rrfp-goodput-ledger {c.rrfp_goodput_ledger!r} is a directory; give the ledger file's path "
              "(e.g. DIR/goodput.db)")
+    _require(c.wandb_project is None or bool(c.wandb_exp_name),
+             "--wandb-project needs --wandb-exp-name NAME (the run's name, as in Megatron-LM)")
+    _require(c.wandb_project is None or bool(c.wandb_save_dir or c.save),
+             "--wandb-project needs --wandb-save-dir DIR (or --save DIR: then SAVE/wandb)")
+    _require(c.tensorboard_log_interval >= 1,
+             f"--tensorboard-log-interval must be >= 1, got {c.tensorboard_log_interval}")
+    _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt only")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
     _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.train.recipes.multimodal") is not None,
@@ -217,8 +255,11 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
         from ..policy.topology import Topology
 
         microbatches = c.global_batch_size // (c.micro_batch_size * dp)
+        arbiter = rrfp_config_from_args(c).arbiter
+        if str(arbiter.buffer_limit).strip().lower() == "auto":  # measured at run time, where it starts at 1x
+            arbiter = dataclasses.replace(arbiter, buffer_limit="1x")
         try:
-            Plan.build(rrfp_config_from_args(c).arbiter, Topology(pp), microbatches)
+            Plan.build(arbiter, Topology(pp), microbatches)
         except ValueError as exc:
             raise ValueError(f"--rrfp-hint {c.rrfp_hint} with --pipeline-model-parallel-size {pp} and {microbatches} "
                              f"micro-batches per iteration: {exc}") from None

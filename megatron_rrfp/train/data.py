@@ -10,12 +10,15 @@ iteration holds global samples ``consumed + m * mbs * dp + dp_rank * mbs + [0, m
   SyntheticTokens   learnable synthetic sequences (default): sample i is an arithmetic
                     progression mod vocab with a start and stride drawn from (seed, i), so
                     the loss falls within a few iterations and any sample is O(1) to make.
-  TokenFile         a flat file of token ids (``--data-path``): ``.npy`` (dtype from its
-                    header) or raw little-endian uint16 like nanoGPT's ``train.bin``; read
-                    through a memory map; sample i is the window at ``i * seq_length``.
+  IndexedTokens     a Megatron indexed dataset (``--data-path PREFIX``: PREFIX.bin +
+                    PREFIX.idx, as Megatron-LM's tools/preprocess_data.py writes them) read
+                    through megatron-core's own GPTDataset: documents concatenated, shuffled
+                    and cut into seq_length + 1 windows exactly as Megatron-LM's pretraining
+                    does (same seed, same samples), so existing data loads as it is.
 (The multimodal recipe's stream is ``recipes.multimodal.MultimodalStream``.)
 
-Make a token file:  ``python -m megatron_rrfp.train.data tokens.npy --num-tokens 100000``.
+Make a small indexed dataset (megatron-core's IndexedDatasetBuilder):
+``python -m megatron_rrfp.train.data data/text_document --num-tokens 100000``.
 """
 from __future__ import annotations
 
@@ -27,8 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["SyntheticTokens", "TokenFile", "gpt_batch", "synthetic_tokens",
-           "write_token_file"]
+__all__ = ["IndexedTokens", "SyntheticTokens", "gpt_batch", "synthetic_tokens", "write_indexed_dataset"]
 
 MAX_STRIDE = 7  # synthetic progressions step by 1..MAX_STRIDE tokens
 
@@ -40,17 +42,18 @@ def synthetic_tokens(index: int, length: int, *, vocab_size: int, seed: int) -> 
     return (start + stride * np.arange(length, dtype=np.int64)) % vocab_size
 
 
-def write_token_file(path: str, tokens: Sequence[int] | np.ndarray) -> str:
-    """Write token ids: ``.npy`` keeps the dtype; any other name is raw uint16."""
-    array = np.asarray(tokens)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if path.endswith(".npy"):
-        np.save(path, array.astype(np.int32 if array.max(initial=0) >= 2**16 else np.uint16))
-    else:
-        if array.max(initial=0) >= 2**16:
-            raise ValueError(f"{path}: raw token files are uint16; token id {int(array.max())} needs a .npy file")
-        array.astype("<u2").tofile(path)
-    return path
+def write_indexed_dataset(prefix: str, documents: Sequence[Sequence[int] | np.ndarray]) -> str:
+    """Write ``prefix``.bin/.idx with megatron-core's own builder, one document each (uint16
+    ids below 65536, int32 above); returns ``prefix``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    largest = max((int(np.max(d)) for d in documents if len(d)), default=0)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16 if largest < 2**16 else np.int32)
+    for document in documents:
+        builder.add_document(torch.as_tensor(np.asarray(document, dtype=np.int64)), [len(document)])
+    builder.finalize(prefix + ".idx")
+    return prefix
 
 
 def gpt_batch(samples: np.ndarray, device: torch.device) -> dict:
@@ -94,40 +97,66 @@ class SyntheticTokens(_IndexedSource):
         return synthetic_tokens(index, self.seq_length + 1, vocab_size=self.vocab_size, seed=self.seed)
 
 
-class TokenFile(_IndexedSource):
-    def __init__(self, path: str, *, vocab_size: int, **common) -> None:
+class _TokenIds:
+    """What megatron-core's GPTDataset needs of a tokenizer when the data are token ids already."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.eod = vocab_size, vocab_size - 1  # eod only matters for --reset-* (not offered)
+
+    @property
+    def unique_identifiers(self) -> dict:  # part of GPTDataset's index-cache key
+        return {"class": "megatron_rrfp.train.data._TokenIds", "vocab_size": self.vocab_size}
+
+
+class IndexedTokens(_IndexedSource):
+    """Samples of megatron-core's GPTDataset over an indexed dataset (see the module doc).
+
+    Collective when built: megatron-core's builder makes the shuffle / sample index on rank 0
+    first (cached under ``cache_dir``, default PREFIX's directory as Megatron-LM does), then
+    the others read it. ``build`` is False on ranks that read no data (middle stages)."""
+
+    def __init__(self, prefix: str, *, vocab_size: int, num_samples: int, seed: int, build: bool,
+                 cache_dir: Optional[str] = None, **common) -> None:
         super().__init__(**common)
-        if not os.path.isfile(path):
-            raise ValueError(f"--data-path {path!r}: no such file")
-        self.path, self.vocab_size = path, vocab_size
-        self.tokens = np.load(path, mmap_mode="r") if path.endswith(".npy") else np.memmap(path, dtype="<u2", mode="r")
-        if self.tokens.ndim != 1 or len(self.tokens) < self.seq_length + 1:
-            raise ValueError(f"--data-path {path!r}: need a flat array of at least seq_length + 1 = "
-                             f"{self.seq_length + 1} token ids, got shape {self.tokens.shape}")
-        self.windows = (len(self.tokens) - 1) // self.seq_length  # samples before wrapping around
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(f"--data-path {prefix!r}: {prefix + suffix} not found (give the prefix of a Megatron "
+                                 "indexed dataset: PREFIX.bin and PREFIX.idx, e.g. from Megatron-LM's "
+                                 "tools/preprocess_data.py or `python -m megatron_rrfp.train.data PREFIX`)")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        self.prefix, self.vocab_size = prefix, vocab_size
+        config = GPTDatasetConfig(random_seed=seed, sequence_length=self.seq_length, blend=([prefix], None),
+                                  split="100,0,0", tokenizer=_TokenIds(vocab_size), path_to_cache=cache_dir,
+                                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                                  mmap_bin_files=True)
+        self.dataset = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: build, config).build()[0]
 
     def sample(self, index: int) -> np.ndarray:
-        start = (index % self.windows) * self.seq_length
-        window = np.asarray(self.tokens[start:start + self.seq_length + 1])
+        item = self.dataset[index]
+        window = np.concatenate([item["tokens"].numpy(), item["labels"].numpy()[-1:]])
         if window.max() >= self.vocab_size:
-            raise ValueError(f"--data-path {self.path!r}: token id {int(window.max())} at offset >= {start} "
-                             f"is outside --vocab-size {self.vocab_size}")
+            raise ValueError(f"--data-path {self.prefix!r}: token id {int(window.max())} in sample {index} is outside "
+                             f"--vocab-size {self.vocab_size}")
         return window
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_rrfp.train.data",
-                                     description="Write a synthetic token file for --data-path.")
-    parser.add_argument("path", help=".npy (dtype in header) or any other name for raw uint16")
+                                     description="Write a synthetic Megatron indexed dataset (PREFIX.bin, PREFIX.idx) "
+                                                 "for --data-path PREFIX.")
+    parser.add_argument("prefix", help="output prefix, e.g. data/text_document")
     parser.add_argument("--num-tokens", type=int, default=100_000)
     parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--seq-length", type=int, default=64, help="length of each synthetic progression")
+    parser.add_argument("--seq-length", type=int, default=64, help="length of each synthetic document (a progression)")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     pieces = -(-args.num_tokens // args.seq_length)
-    tokens = np.concatenate([synthetic_tokens(i, args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
-                             for i in range(pieces)])[:args.num_tokens]
-    print(f"wrote {len(tokens)} tokens (vocab {args.vocab_size}) to {write_token_file(args.path, tokens)}")
+    documents = [synthetic_tokens(i, args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
+                 for i in range(pieces)]
+    write_indexed_dataset(args.prefix, documents)
+    print(f"wrote {pieces} documents of {args.seq_length} tokens (vocab {args.vocab_size}) to {args.prefix}.bin/.idx")
     return 0
 
 

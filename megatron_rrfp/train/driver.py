@@ -29,23 +29,30 @@ with the same ledger path so one report covers the whole job::
     megatron-rrfp goodput run/goodput.db --json goodput.json     # wasted progress, recovery, ...
 
 A rank without progress for ``--rrfp-timeout`` seconds, or whose pipeline peer died,
-raises PipelineStallError with its state (peer, ready set, counters); ``--nproc`` then
-stops the remaining ranks within 10 s and exits non-zero (128 + signal for a killed rank).
+raises PipelineStallError with its state (peer, ready set, counters). ``--nproc`` runs the
+ranks under torch's own launcher (torch.distributed.run, standalone rendezvous), which
+stops the other ranks with SIGTERM when one fails; a stopped rank first finishes reporting
+its own failure (signals.py) and the command exits non-zero (128 + signal for a killed rank).
+
+Logs, TensorBoard, W&B and timers as Megatron-LM writes them: metrics.py. Preemption:
+``--exit-signal-handler --exit-signal SIGUSR1`` saves and exits 0 on SIGUSR1 (signals.py).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..dist import env as distenv
-from ..dist.launcher import spawn_local
 from .config import TrainConfig, add_arguments, check_layout, from_args, to_argv
+from .signals import JobTerminated, Signals
 
 _STARTED_WALL = time.time()  # ~ this process's start: the ledger counts startup from here
 
@@ -62,8 +69,8 @@ class Run:
     data: Any
     num_microbatches: int
     layout: dict
-    logs: bool
-    """This rank prints the training log: last pipeline stage, first TP and DP rank."""
+    timers: Any
+    """megatron-core Timers at --timing-log-level (also config.timers of the model)."""
     meter: Any = None
     """runtime.memory.ActivationMeter around Megatron's own schedule (rrfp measures itself)."""
     megatron_in_flight: int = 0
@@ -81,9 +88,9 @@ class Step:
     grad_norm: Optional[float]
     lr: float
     data_wait_s: float
+    """Seconds this rank's forward steps spent waiting in next(data_iterator)."""
     memory: tuple[int, int] = (0, 0)
     """This rank's peak activation bytes and peak forwards in flight in the schedule call."""
-    """Seconds this rank's forward steps spent waiting in next(data_iterator)."""
 
 
 class TimedIterator:
@@ -113,18 +120,20 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="pretrain a GPT / multimodal model with any pipeline schedule",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    parser.set_defaults(func=run_from_args)
+    parser.set_defaults(func=run_and_report)
     return parser
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     config = from_args(args)
     if config.nproc:
+        from ..dist.torchrun import run_module
+
         check_layout(config, config.nproc)  # fail before starting anything
         env = {"CUDA_VISIBLE_DEVICES": ""} if config.cpu else {}
-        if config.cpu and "OMP_NUM_THREADS" not in os.environ:
+        if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
-        return spawn_local(config.nproc, [sys.executable, "-m", "megatron_rrfp.train", *to_argv(config)], env=env)
+        return run_module(config.nproc, "megatron_rrfp.train", to_argv(config), env=env)
     return train(config)
 
 
@@ -135,6 +144,8 @@ def setup(cfg: TrainConfig):
     """Process group, megatron parallel state, seeds; returns (device, dp_size)."""
     if cfg.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed
     env = distenv.detect()
     dp = check_layout(cfg, env.world_size)
     import random
@@ -163,11 +174,14 @@ def setup(cfg: TrainConfig):
 def build(cfg: TrainConfig, device, dp: int) -> Run:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.timers import Timers
 
     from . import builders
 
+    timers = Timers(cfg.timing_log_level, "minmax")
     model = builders.build_model(cfg, device)
-    optimizer, scheduler = builders.build_optimizer(cfg, model)
+    model.config.timers = timers  # the schedules' forward-backward / -compute timers
+    optimizer, scheduler = builders.build_optimizer(cfg, model, timers)
     layout = {"world_size": dist.get_world_size(), **{k: getattr(cfg, k) for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "model", "num_layers", "hidden_size",
         "num_attention_heads", "vocab_size", "seq_length")}}
@@ -186,9 +200,8 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, forward_backward=builders.build_schedule(cfg),
                forward_step=builders.forward_step_func(cfg),
                data=builders.build_data(cfg, dp_rank=ps.get_data_parallel_rank(), dp_size=dp, device=device),
-               num_microbatches=num_microbatches, layout=layout,
-               logs=ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-               and ps.get_data_parallel_rank() == 0, meter=meter, megatron_in_flight=in_flight or 0)
+               num_microbatches=num_microbatches, layout=layout, timers=timers, meter=meter,
+               megatron_in_flight=in_flight or 0)
 
 
 def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
@@ -199,9 +212,11 @@ def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
     if cfg.load_iteration is None and checkpoint.latest_iteration(cfg.load) is None:
         _rank0_print(f"no checkpoint in {cfg.load}: starting from scratch")
         return
+    iteration = cfg.load_iteration if cfg.load_iteration is not None else checkpoint.latest_iteration(cfg.load)
     with recorder.checkpoint_load():
-        resumed = checkpoint.load(cfg.load, iteration=cfg.load_iteration, model=run.model, optimizer=run.optimizer,
-                                  scheduler=run.scheduler, layout=run.layout)
+        resumed = _checkpoint_format(cfg, iteration).load(
+            cfg.load, iteration=cfg.load_iteration, model=run.model, optimizer=run.optimizer,
+            scheduler=run.scheduler, layout=run.layout)
     recorder.restart(resumed.iteration)  # completed iterations after this one were lost
     run.iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     _rank0_print(f"resumed from {cfg.load} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
@@ -228,7 +243,9 @@ def train_step(cfg: TrainConfig, run: Run) -> Step:
 
         report = last_iteration_report()
         memory = (report.peak_activation_bytes, report.peak_in_flight) if report is not None else (0, 0)
+    run.timers("optimizer", log_level=1).start()
     _, grad_norm, _ = run.optimizer.step()
+    run.timers("optimizer").stop()
     run.scheduler.step(increment=1)
     run.iteration += 1
     run.consumed_samples += cfg.global_batch_size
@@ -253,40 +270,49 @@ def train(cfg: TrainConfig) -> int:
     import torch.distributed as dist
 
     from . import builders
+    from .metrics import TrainingMetrics
 
     device, dp = setup(cfg)
+    signals = Signals(rank=dist.get_rank(), exit_signal=cfg.exit_signal if cfg.exit_signal_handler else None).install()
     recorder = builders.build_recorder(cfg, dp, since_wall=_STARTED_WALL)  # collective with a ledger
-    finished = False
+    finished, metrics = False, None
     try:
         run = build(cfg, device, dp)
+        metrics = TrainingMetrics(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), timers=run.timers)
         maybe_resume(cfg, run, recorder)
         _rank0_print(f"training {cfg.model}: {cfg.num_layers} layers x {cfg.hidden_size} wide, "
                      f"TP {cfg.tensor_model_parallel_size}"
                      f" x PP {cfg.pipeline_model_parallel_size} x DP {dp}, {run.num_microbatches} micro-batches of "
                      f"{cfg.micro_batch_size} x {cfg.seq_length} tokens per iteration, schedule {cfg.pipeline_schedule}"
-                     f", {'cpu/gloo' if cfg.cpu else 'cuda/nccl'}")
-        loop(cfg, run, recorder)
-        write_trace(cfg)
+                     f", {'bf16' if cfg.bf16 else 'fp32'}, {'cpu/gloo' if cfg.cpu else 'cuda/nccl'}")
+        loop(cfg, run, recorder, metrics, signals)
         recorder.job_end()  # flushes for at most close_timeout_s (5 s)
         _ledger_note(cfg, recorder)
         finished = True
     except BaseException as exc:
+        signals.failing()  # a SIGTERM from the launcher now waits for this report
         recorder.disruption(type(exc).__name__, str(exc), rank=dist.get_rank())  # flushed (<= 2 s)
         raise
     finally:
+        if metrics is not None:
+            metrics.close()
         recorder.close()
         close(cfg, finished=finished)
+        if finished:  # after a failure the handlers stay: a late SIGTERM must not cut the exit short
+            signals.uninstall()
     return 0
 
 
-def loop(cfg: TrainConfig, run: Run, recorder) -> None:
+def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> None:
     import torch
 
-    from . import checkpoint
+    from ..goodput.recorder import publish_to_timers
+    from ..megatron_lm.hooks import TraceWriter, trace_due
+    from .metrics import LogField
 
     report = _iteration_report_func(cfg)
-    window: list[tuple[Optional[float], float]] = []  # (loss, seconds) since the last log line
-    window_memory = [0, 0]  # this rank's peak activation bytes and forwards in flight since then
+    traces = TraceWriter(cfg.rrfp_trace_dir, _rank()) if cfg.rrfp_trace_dir else None
+    window_memory = [0, 0]  # this rank's peak activation bytes and forwards in flight since the last log line
     while run.iteration < cfg.train_iters:
         number = run.iteration + 1
         recorder.iteration_start(number)
@@ -294,23 +320,63 @@ def loop(cfg: TrainConfig, run: Run, recorder) -> None:
         step = train_step(cfg, run)
         if torch.cuda.is_available() and not cfg.cpu:
             torch.cuda.synchronize()  # CPU-GPU sync point: the time includes the device work
-        window.append((step.loss, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
         # Collective with a ledger and world > 1: every rank gets here once per iteration.
         recorder.iteration(number, tokens=cfg.global_batch_size * cfg.seq_length,  # whole job, not per rank
                            report=report(), data_wait_s=step.data_wait_s, memory=step.memory)
+        publish_to_timers(run.timers, report(), log_level=0)
+        # Collective at log intervals (timers, peak memory); the line on the last rank.
         window_memory = [max(a, b) for a, b in zip(window_memory, step.memory)]
+        extra = ()
         if run.iteration % cfg.log_interval == 0 or run.iteration == cfg.train_iters:
-            memory = _max_over_ranks(window_memory)  # collective: every rank logs at the same iterations
-            if run.logs:
-                print(_log_line(cfg, run, window, step.grad_norm, step.lr, memory), flush=True)
-            window, window_memory = [], [0, 0]
+            peak, in_flight = _max_over_ranks(window_memory)  # collective: every rank logs at the same iterations
+            extra = (LogField("peak activations (MB)", f"{peak / 2**20:.2f}"),
+                     LogField("forwards in flight", f"{in_flight:.0f}"))
+            window_memory = [0, 0]
+        line = metrics.iteration(iteration=run.iteration, consumed_samples=run.consumed_samples, seconds=seconds,
+                                 loss=step.loss, lr=step.lr, grad_norm=step.grad_norm, extra=extra)
+        if line is not None:
+            print(line, flush=True)
+            if metrics.timers_report():
+                print(metrics.timers_report(), flush=True)
+        if traces is not None and trace_due(run.iteration, log_interval=cfg.log_interval,
+                                            last_iteration=cfg.train_iters):
+            written = traces.write(run.iteration, report(), metadata={"schedule": "rrfp", "hint": cfg.rrfp_hint,
+                                                                           "buffer_limit": cfg.rrfp_buffer_limit})
+            if written and run.iteration == cfg.train_iters:
+                print(f"trace of the last iteration: {written}", flush=True)
         at_end = run.iteration == cfg.train_iters
-        if cfg.save and (at_end or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
+        stop = signals.exit_requested() and not at_end  # collective with --exit-signal-handler
+        if cfg.save and (at_end or stop or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
             with recorder.checkpoint_save(run.iteration):  # "ok" only if the save did not raise
-                path = checkpoint.save(cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples,
-                                       model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                                       layout=run.layout)
+                path = _checkpoint_format(cfg, None, saving=True).save(
+                    cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples, model=run.model,
+                    optimizer=run.optimizer, scheduler=run.scheduler, layout=run.layout)
             _rank0_print(f"saved checkpoint at iteration {run.iteration} to {path}")
+        if stop:
+            _rank0_print(f"exiting after iteration {run.iteration} on {cfg.exit_signal} (--exit-signal-handler)")
+            return
+
+
+def _max_over_ranks(values: list) -> list:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _checkpoint_format(cfg: TrainConfig, iteration: Optional[int], *, saving: bool = False):
+    """The module that saves (--ckpt-format) or loads (whatever ``iteration`` was saved in)."""
+    from . import checkpoint, checkpoint_dist
+
+    if saving:
+        return checkpoint_dist if cfg.ckpt_format == "torch_dist" else checkpoint
+    dist_format = iteration is not None and checkpoint_dist.is_dist_checkpoint(cfg.load, iteration)
+    return checkpoint_dist if dist_format else checkpoint
 
 
 def _iteration_report_func(cfg: TrainConfig):
@@ -336,56 +402,6 @@ def _ledger_note(cfg: TrainConfig, recorder) -> None:
               "(see the LedgerWarning above); training was not affected", flush=True)
 
 
-def _max_over_ranks(values: list) -> list:
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-def _log_line(cfg: TrainConfig, run: Run, window: list, grad_norm: Optional[float], lr: float,
-              memory: Sequence[float] = (0, 0)) -> str:
-    seconds = sum(s for _, s in window) / len(window)
-    loss = sum(loss for loss, _ in window) / len(window)
-    tokens_per_s = cfg.global_batch_size * cfg.seq_length / seconds  # all DP replicas together
-    norm = f"{grad_norm:.4f}" if grad_norm is not None else "n/a"
-    return (f"iteration {run.iteration:>6}/{cfg.train_iters} | schedule {cfg.pipeline_schedule} | "
-            f"lm loss {loss:.6E} | grad norm {norm} | lr {lr:.3E} | "
-            f"iteration time {1e3 * seconds:.1f} ms | tokens/s {tokens_per_s:.1f} | "
-            f"peak activations {memory[0] / 1e6:.2f} MB | in flight {memory[1]:.0f}")
-
-
-def write_trace(cfg: TrainConfig) -> None:
-    """Each rank's measured task spans of the last iteration, one Chrome trace per rank
-    plus all ranks in one file (pid = rank; times from each rank's own iteration start)."""
-    if not cfg.rrfp_trace_dir:
-        return
-    import torch.distributed as dist
-
-    from ..mcore.schedule import last_iteration_report
-    from ..trace.chrome import write_chrome_trace
-
-    report = last_iteration_report()
-    spans = report.spans if report is not None else []
-    rank = dist.get_rank()
-    meta = {"schedule": "rrfp", "hint": cfg.rrfp_hint, "iteration": cfg.train_iters,
-            "buffer_limit": cfg.rrfp_buffer_limit}
-    if report is not None:
-        meta.update(peak_activation_bytes=report.peak_activation_bytes, peak_in_flight=report.peak_in_flight,
-                    activation_measure=report.activation_measure, resolved_buffer_limit=report.buffer_limit)
-    write_chrome_trace(spans, os.path.join(cfg.rrfp_trace_dir, f"rank{rank:05d}.json"), metadata=meta)
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(spans, gathered, dst=0)
-    if rank == 0:
-        path = write_chrome_trace([s for part in gathered for s in part],
-                                  os.path.join(cfg.rrfp_trace_dir, "trace.json"), metadata=meta)
-        print(f"trace of the last iteration: {path}", flush=True)
-
-
 # --------------------------------------------------------------------------- close
 
 
@@ -405,10 +421,14 @@ def close(cfg: TrainConfig, *, finished: bool) -> None:
         dist.destroy_process_group()
 
 
-def _rank0_print(message: str) -> None:
+def _rank() -> int:
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
+    return dist.get_rank()
+
+
+def _rank0_print(message: str) -> None:
+    if _rank() == 0:
         print(message, flush=True)
 
 
@@ -422,13 +442,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_and_report(build_parser().parse_args(argv))
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """``run_from_args`` with the exits of a command: one line for a user error (2), and a
+    failed rank's traceback then an immediate exit (1; 143 when stopped by SIGTERM)."""
     try:
         return run_from_args(args)
     except (ValueError, OSError) as exc:  # user errors: one clear line, no traceback
         from ..checks import report_error
 
         return report_error("megatron-rrfp train", exc)
+    except JobTerminated as exc:  # recorded in the ledger already; exit as SIGTERM would
+        print(f"megatron-rrfp train: {exc}", file=sys.stderr, flush=True)
+        _exit_now(128 + signal.SIGTERM)
+    except Exception:  # noqa: BLE001 - a failed rank: recorded already (train()), reported here
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Leave a failed rank without interpreter teardown: a dead peer can wedge the destruction
+    of process groups, and teardown restores SIGTERM's default action, so the launcher's
+    SIGTERM would turn this rank's exit status into 'killed by SIGTERM'."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,61 @@
-# Shared by scripts/slurm/*.sbatch (sourced, not run). Sets up the output tree and the
-# rendezvous, then starts one training rank per GPU (torchrun, one per node) or, in CPU
-# mode, one rank per SLURM task.
+# Shared by scripts/slurm/*.sbatch (sourced, not run). Sets up the job's output directory
+# and the rendezvous, starts the training ranks, and requeues a job that stopped early.
 #
 # Knobs (environment; pass them with `sbatch --export=ALL,NAME=value` or export before):
 #   RRFP_REPO    repository checkout (default: $SLURM_SUBMIT_DIR, i.e. submit from the repo
 #                root; SLURM runs a *copy* of the batch script, so it cannot find it itself)
-#   RRFP_OUT     where this job writes (default $RRFP_REPO/rrfp-out/<job name>-<job id>):
-#                  $RRFP_OUT/checkpoints/        --save/--load (a requeued job resumes)
-#                  $RRFP_OUT/traces/             Chrome/Perfetto traces of the last iteration
-#                  $RRFP_OUT/goodput.sqlite      goodput ledger (Megatron-LM mode)
-#                  $RRFP_OUT/job.env             the resolved settings of this job
+#   RRFP_OUT     parent of every job's directory, outside the checkout (default $HOME/rrfp-out).
+#                A job writes to $RRFP_OUT/<job name>/ -- the same directory when the job is
+#                requeued or resubmitted under the same name, so it resumes there:
+#                  checkpoints/   --save/--load: the latest checkpoint is loaded at start
+#                  goodput.db     the goodput ledger, continued by every run of the job
+#                  traces/        Chrome/Perfetto traces (one merged file per traced iteration)
+#                  tensorboard/   TensorBoard scalars (Megatron-LM's tag names)
+#                  job.env        one line per run: job id, restart count, nodes, settings
 #                the training log itself is the job's --output file (default %x-%j.out)
 #   RRFP_CPU=1   CPU mode: gloo, --cpu, tiny model, one rank per task (e.g. 2 tasks, 1 node)
 #   MEGATRON_LM  a Megatron-LM checkout: run its entry script through
 #                `python -m megatron_rrfp.launch` instead of `python -m megatron_rrfp.train`
+#   DATA_PATH    a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx) in both modes;
+#                unset: synthetic data (own driver) / --mock-data (Megatron-LM)
 #   PYTHON       interpreter (default python3); GPUS_PER_NODE (default: from SLURM / nvidia-smi)
+#
+# Preemption and time limits: the batch scripts ask for `--requeue` and `--signal=USR1@120`;
+# on SIGUSR1 every rank saves a checkpoint after its current iteration and exits 0
+# (--exit-signal-handler --exit-signal SIGUSR1, in both modes), and rrfp_requeue_unless_done
+# puts the job back in the queue when its last checkpoint is short of the last iteration.
+# A job SLURM requeues itself (node failure, `scontrol requeue`) resumes the same way; the
+# goodput ledger records the disruption and the restart.
 
 set -euo pipefail
 
+rrfp_die() { echo "rrfp: $*" >&2; exit 2; }
+
+# rrfp_number NAME VALUE: VALUE must be a plain number (it ends up in command lines).
+rrfp_number() {
+    [[ "$2" =~ ^[0-9]+([.][0-9]*)?([eE][-+]?[0-9]+)?$ ]] || rrfp_die "$1='$2' is not a number"
+}
+
 rrfp_setup() {
     RRFP_REPO=${RRFP_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
-    RRFP_REPO=$(cd "$RRFP_REPO" && pwd)
+    RRFP_REPO=$(cd "$RRFP_REPO" && pwd -P)
     if [[ ! -f "$RRFP_REPO/megatron_rrfp/train/driver.py" ]]; then
-        echo "rrfp: RRFP_REPO=$RRFP_REPO is not a megatron-rrfp checkout (submit from the repo root or set RRFP_REPO)" >&2
-        exit 2
+        rrfp_die "RRFP_REPO=$RRFP_REPO is not a megatron-rrfp checkout (submit from the repo root or set RRFP_REPO)"
     fi
-    RRFP_OUT=${RRFP_OUT:-$RRFP_REPO/rrfp-out/${SLURM_JOB_NAME:-job}-${SLURM_JOB_ID:-local}}
+    RRFP_OUT=${RRFP_OUT:-$HOME/rrfp-out}
+    local name=${SLURM_JOB_NAME:-job}
+    name=${name//\//_}
+    JOB_DIR="$RRFP_OUT/$name"
+    mkdir -p "$JOB_DIR"
+    JOB_DIR=$(cd "$JOB_DIR" && pwd -P)
+    case "$JOB_DIR/" in
+        "$RRFP_REPO"/*) rrfp_die "RRFP_OUT=$RRFP_OUT is inside the checkout $RRFP_REPO; point it elsewhere" ;;
+    esac
+    CKPT_DIR="$JOB_DIR/checkpoints" TRACE_DIR="$JOB_DIR/traces" TB_DIR="$JOB_DIR/tensorboard"
+    LEDGER="$JOB_DIR/goodput.db"
+    mkdir -p "$CKPT_DIR" "$TRACE_DIR" "$TB_DIR"
     RRFP_CPU=${RRFP_CPU:-0}
     PYTHON=${PYTHON:-python3}
-    mkdir -p "$RRFP_OUT/checkpoints" "$RRFP_OUT/traces"
     export PYTHONPATH="$RRFP_REPO${PYTHONPATH:+:$PYTHONPATH}"
 
     # Rendezvous: the first node of the allocation hosts the c10d store.
@@ -57,10 +84,11 @@ rrfp_setup() {
     fi
     WORLD_SIZE=$([[ "$RRFP_CPU" == 1 ]] && echo "$SLURM_NTASKS" || echo $((SLURM_JOB_NUM_NODES * GPUS_PER_NODE)))
     {
-        echo "job=${SLURM_JOB_ID:-} name=${SLURM_JOB_NAME:-} nodes=${SLURM_JOB_NODELIST:-} world=$WORLD_SIZE"
-        echo "mode=$([[ "$RRFP_CPU" == 1 ]] && echo cpu/gloo || echo cuda/nccl)${MEGATRON_LM:+ megatron_lm=$MEGATRON_LM}"
-        echo "repo=$RRFP_REPO out=$RRFP_OUT master=$MASTER_ADDR:$MASTER_PORT python=$(command -v "$PYTHON")"
-    } | tee "$RRFP_OUT/job.env"
+        echo "job=${SLURM_JOB_ID:-} restart=${SLURM_RESTART_COUNT:-0} name=${SLURM_JOB_NAME:-}" \
+             "nodes=${SLURM_JOB_NODELIST:-} world=$WORLD_SIZE" \
+             "mode=$([[ "$RRFP_CPU" == 1 ]] && echo cpu/gloo || echo cuda/nccl)${MEGATRON_LM:+ megatron_lm=$MEGATRON_LM}" \
+             "repo=$RRFP_REPO out=$JOB_DIR master=$MASTER_ADDR:$MASTER_PORT python=$(command -v "$PYTHON")"
+    } | tee -a "$JOB_DIR/job.env"
 }
 
 # rrfp_run MODULE ARGS...: `python -m MODULE ARGS...` as every rank of the job.
@@ -79,10 +107,25 @@ rrfp_run() {
                 "$PYTHON" -m "$module" "$@"
         fi
     else
-        # One torchrun per node; c10d rendezvous on the first node; one rank per GPU.
-        srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        # One torchrun per node; c10d rendezvous on the first node; one rank per GPU. SLURM's
+        # --signal=USR1 reaches every process of the step: torchrun itself ignores it (its
+        # default action would kill it), its ranks inherit that and install their own handler.
+        srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec "$@"' rrfp-torchrun \
             "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$GPUS_PER_NODE" \
             --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
             --module "$module" "$@"
+    fi
+}
+
+# rrfp_requeue_unless_done TRAIN_ITERS: after a clean exit short of the last iteration (the
+# ranks saved and stopped on SIGUSR1), put this job back in the queue: it resumes from there.
+rrfp_requeue_unless_done() {
+    local latest
+    latest=$(tr -dc '0-9' < "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || true)
+    if [[ -n "${SLURM_JOB_ID:-}" && "${latest:-0}" -lt "$1" ]]; then
+        echo "rrfp: stopped after iteration ${latest:-0} of $1 (checkpoint saved); requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "rrfp: done; checkpoints, ledger, traces and TensorBoard under $JOB_DIR"
     fi
 }

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_rrfp.policy.actions import Task
-from megatron_rrfp.runtime.executor import Inbox
+from megatron_rrfp.runtime.inbox import Inbox
 
 
 @dataclass(frozen=True, slots=True)

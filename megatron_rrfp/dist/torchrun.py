@@ -1,0 +1,72 @@
+"""``--nproc N``: run a module as N local ranks through torch's own launcher.
+
+Exactly what ``torchrun --standalone --nnodes 1 --nproc-per-node N -m MODULE ARGS`` does
+(torch.distributed.run: an elastic agent in this process, a c10d rendezvous on a free local
+port, no restarts), called in-process so that a failure ends in a short summary instead of
+a traceback: the agent stops the other ranks (SIGTERM, SIGKILL 30 s later) as soon as one
+fails; each failed rank is named (exit code, or the signal that killed it) and the first
+failure's status is returned shell-style (128 + N for a rank killed by signal N).
+
+The ranks inherit this process's stdout and stderr and see torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, ...).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+MONITOR_INTERVAL_S = 0.1  # how often the agent checks its workers (torchrun's default)
+
+
+def run_module(nproc: int, module: str, args: Sequence[str], *, env: Optional[dict] = None) -> int:
+    """Run ``python -m module args`` as ranks 0..nproc-1; 0, or the first failure's status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.update({str(k): str(v) for k, v in (env or {}).items()})  # the agent's workers inherit it
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # containers often resolve the hostname to no route
+    parsed = torchrun.parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                                  "--max-restarts", "0", "--monitor-interval", str(MONITOR_INTERVAL_S),
+                                  "--module", module, *args])
+    try:
+        torchrun.run(parsed)
+    except ChildFailedError as failed:
+        return _report(failed, nproc)
+    return 0
+
+
+def _report(failed, nproc: int) -> int:
+    """Name each failed rank; the first failure's exit status."""
+    failures = sorted(failed.failures.items(), key=lambda item: item[1].timestamp)
+    for rank, failure in failures:
+        _say(f"rank {rank} (pid {failure.pid}) {describe_exit(failure.exitcode)}")
+    stopped = sorted(set(range(nproc)) - {rank for rank, _ in failures})
+    if stopped:
+        _say(f"torch's launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
+             "(SIGTERM) after that")
+    return exit_status(failures[0][1].exitcode) if failures else 1
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _say(message: str) -> None:
+    print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
+
+
+__all__ = ["describe_exit", "exit_status", "run_module"]
