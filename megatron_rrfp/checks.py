@@ -125,7 +125,34 @@ class LimitBound:
         return value
 
 
+class LimitListBound(LimitBound):
+    """`bench --buffer-limit`: one limit, or a comma list of distinct ones (a speedup-vs-memory
+    sweep); parses to the single value, or to a list when several are given."""
+
+    def describe(self) -> str:
+        return f"{super().describe()}; or a comma list of distinct ones such as 1x,1.5x,2x"
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, (list, tuple)):
+            return bool(value) and len({str(v) for v in value}) == len(value) and all(
+                LimitBound.accepts(self, v) for v in value)
+        return super().accepts(value)
+
+    def parse(self, text: str):
+        values = []
+        for part in str(text).split(","):
+            try:
+                values.append(LimitBound.parse(self, part))
+            except argparse.ArgumentTypeError:
+                raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}") from None
+        if not self.accepts(values):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (each limit once), got {text!r}")
+        return values[0] if len(values) == 1 else values
+
+
 BUFFER_LIMIT = LimitBound()
+BUFFER_LIMITS = LimitListBound()
+"""`bench`'s: ``BUFFER_LIMIT`` or a list of distinct limits."""
 FINITE = Bound()
 POSITIVE = Bound(0, low_open=True)
 NON_NEGATIVE = Bound(0)

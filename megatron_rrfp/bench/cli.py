@@ -10,7 +10,8 @@ from ..sim.cli import add_workload_arguments, workload_from_args
 
 def add_bench_parsers(sub) -> None:
     from ..sim.variability import VARIABILITY_LEVELS
-    from .run import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchConfig
+    from .run import BenchConfig
+    from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, DEMO_SCHEDULES
 
     bounds = {flag: BenchConfig.BOUNDS[name].parse for name, flag in BenchConfig.FLAGS.items()}
 
@@ -28,8 +29,8 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--micro-batch-size", type=bounds["--micro-batch-size"], default=2)
         p.add_argument("--seq-length", type=bounds["--seq-length"], default=32)
         p.add_argument("--hidden-size", type=bounds["--hidden-size"], default=32)
-        p.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES if demo else BENCH_SCHEDULES),
-                       help=f"comma list of {', '.join(BENCH_SCHEDULES)}")
+        p.add_argument("--schedules", default=",".join(DEMO_SCHEDULES if demo else DEFAULT_SCHEDULES),
+                       help=f"comma list of {', '.join(BENCH_SCHEDULES)} (default: %(default)s)")
         p.add_argument("--variability", default="j3", choices=list(VARIABILITY_LEVELS),
                        help="j0 none ... j3 = sigma_c 0.3, c50 0.1 f0, sigma_m 1.5 (the paper's reference)")
         p.add_argument("--f0-ms", type=bounds["--f0-ms"], default=50.0,
@@ -41,8 +42,9 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--seed", type=bounds["--seed"], default=0)
         p.add_argument("--buffer-limit", type=bounds["--buffer-limit"], default=DEFAULT_BUFFER_LIMIT,
                        help="RRFP's activations in flight per stage: an integer, a multiple of Megatron's "
-                            "('1x', '1.5x') or 'auto' (grown into measured free memory); default "
-                            f"{DEFAULT_BUFFER_LIMIT}")
+                            "('1x', '1.5x') or 'auto' (grown into measured free memory); a comma list "
+                            "(1x,1.5x,2x,auto) runs each readiness-first schedule once per limit and draws "
+                            f"tradeoff.png (speedup vs peak memory); default {DEFAULT_BUFFER_LIMIT}")
         p.add_argument("--out", default=f"rrfp-out/{name}", help="JSON, traces and the timeline PNG go here")
         p.add_argument("--json", metavar="PATH", help="also copy the figures to PATH")
         p.add_argument("--goodput-ledger", metavar="DB", default=None,
@@ -72,7 +74,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     report = run_bench(config)
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
-          f"traces: {config.out_dir}/trace-*.json (open in ui.perfetto.dev)")
+          + (f"trade-off: {config.out_dir}/tradeoff.png  " if "tradeoff" in report else "")
+          + f"traces: {config.out_dir}/trace-*.json (open in ui.perfetto.dev)")
     if args.json:
         shutil.copyfile(os.path.join(config.out_dir, "bench.json"), args.json)
     return 0

@@ -28,17 +28,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Optional
 
-from ..checks import BUFFER_LIMIT, TIMEOUT_S, Bound, bound, check_fields, integer
+from ..checks import BUFFER_LIMITS, TIMEOUT_S, Bound, bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec, check_limit_spec
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
+from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list, tradeoff_section
+from .sweep import SIM_POLICY as _SIM_POLICY
 
-BENCH_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf", "rrfp-bfw")
-DEFAULT_SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-bf")
 # Per-rank seconds per iteration measured by RRFP's executor, and its wall time.
 BREAKDOWN = (*BREAKDOWN_FIELDS, "wall_s")
-_SIM_POLICY = {"megatron-1f1b": "1f1b-strict", "rrfp-strict": "1f1b-strict", "rrfp-bf": "bf", "rrfp-bfw": "bfw"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,7 +56,8 @@ class BenchConfig:
     seq_length: int = 32
     hidden_size: int = 32
     schedules: Sequence[str] = DEFAULT_SCHEDULES
-    """megatron-1f1b (the reference), rrfp-strict (1F1B order in RRFP's runtime), rrfp-bf, rrfp-bfw."""
+    """megatron-1f1b (the reference), rrfp-strict / rrfp-zbh1-strict (1F1B / ZB-H1 as fixed orders in
+    RRFP's runtime), rrfp-default, rrfp-bf, rrfp-bfw, rrfp-zbh1 (readiness-first); see bench/sweep.py."""
     variability: str = "j3"
     """j0..j3 (see VARIABILITY_LEVELS)."""
     f0_ms: float = 50.0
@@ -68,8 +68,9 @@ class BenchConfig:
     iterations: int = 5
     warmup: int = 1
     seed: int = 0
-    buffer_limit: LimitSpec = DEFAULT_BUFFER_LIMIT
-    """RRFP's limit: an int, a multiple of Megatron's peak in flight ("1x") or "auto"."""
+    buffer_limit: LimitSpec | Sequence[LimitSpec] = DEFAULT_BUFFER_LIMIT
+    """RRFP's limit: an int, a multiple of Megatron's peak in flight ("1x") or "auto"; or a list
+    of distinct ones: each readiness-first schedule runs once per limit (a trade-off sweep)."""
     out_dir: str = "rrfp-out/bench"
     goodput_ledger: Optional[str] = None
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
@@ -80,7 +81,7 @@ class BenchConfig:
         "data_parallel": integer(1, 64), "num_microbatches": integer(1, 10_000), "micro_batch_size": integer(1, 4096),
         "seq_length": integer(1, 1 << 20), "hidden_size": integer(1, 1 << 16), "f0_ms": bound(0, 60_000, low_open=True),
         "iterations": integer(1, 10_000), "warmup": integer(0, 10_000), "seed": integer(0, 2**31 - 1),
-        "buffer_limit": BUFFER_LIMIT, "timeout_s": TIMEOUT_S,
+        "buffer_limit": BUFFER_LIMITS, "timeout_s": TIMEOUT_S,
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "pipeline_size": "--pp", "num_chunks": "--chunks", "tensor_parallel": "--tp", "data_parallel": "--dp",
@@ -100,9 +101,12 @@ class BenchConfig:
     def validate(self) -> None:
         self.variability_model()
         try:
-            check_limit_spec(self.buffer_limit)
+            for limit in limit_list(self.buffer_limit):
+                check_limit_spec(limit)
         except ValueError as exc:
             raise ValueError(f"--buffer-limit: {exc}") from None
+        if not BUFFER_LIMITS.accepts(self.buffer_limit):
+            raise ValueError(f"--buffer-limit must be {BUFFER_LIMITS.describe()}, got {self.buffer_limit!r}")
         unknown = [s for s in self.schedules if s not in BENCH_SCHEDULES]
         if unknown:
             raise ValueError(f"--schedules: unknown {unknown}; available: {', '.join(BENCH_SCHEDULES)}")
@@ -142,13 +146,16 @@ class BenchConfig:
             raise ValueError(f"--goodput-ledger {self.goodput_ledger!r} is a directory; give the ledger file's path")
         self.variability_model().check_layout(self.pipeline_size)
         topology = Topology(self.pipeline_size, self.num_chunks)
-        schedules = {**{s: _SIM_POLICY[s] for s in self.schedules}, "megatron-1f1b": "1f1b-strict"}
-        for name in dict.fromkeys(schedules.values()):
+        for name, limit in dict.fromkeys((_SIM_POLICY[run.schedule], run.limit) for run in self.runs()):
             try:
-                Plan.build(policy(name, self.buffer_limit), topology, self.num_microbatches)
+                Plan.build(policy(name, limit), topology, self.num_microbatches)
             except ValueError as exc:
                 raise ValueError(f"--schedules with --pp {self.pipeline_size} --chunks {self.num_chunks} "
                                  f"--microbatches {self.num_microbatches}: {exc}") from None
+
+    def runs(self) -> list[BenchRun]:
+        """What runs, in order: each schedule; a readiness-first one once per buffer limit."""
+        return bench_runs(self.schedules, self.buffer_limit)
 
 
 # -- what each rank runs --------------------------------------------------------------
@@ -223,12 +230,16 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     rank = dist.get_rank()
     results: dict = {"rank": rank, "stage": stage_index, "world_size": dist.get_world_size(), "runs": {}}
     recorder = GoodputRecorder(config.goodput_ledger, rank=rank, world=dist.get_world_size(), job="bench")
-    recorder.job_start(schedules=list(config.schedules), model=config.model, pp=pp, variability=config.variability)
+    runs = config.runs()
+    recorder.job_start(schedules=[run.key for run in runs], model=config.model, pp=pp, variability=config.variability)
     tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
     ledger_iteration = 0
-    total = len(config.schedules) * (config.warmup + config.iterations)
+    total = len(runs) * (config.warmup + config.iterations)
     done = 0
-    for schedule in config.schedules:
+    for run in runs:
+        schedule = run.schedule
+        arbiter = run.arbiter()
+        split_backward = arbiter.parsed_hint.for_layout(topology).split_backward
         walls, busy, spans, breakdowns = [], [], [], []
         memory = {"peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}
         for iteration in range(config.warmup + config.iterations):
@@ -236,7 +247,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                                              seed=config.seed * 100_003 + iteration)
             for p in parameters:
                 p.grad = None
-            emulator.split_backward = schedule == "rrfp-bfw"
+            emulator.split_backward = split_backward and schedule != "megatron-1f1b"
             emulator.delay_rrfp_messages(bool(variability.c50) and schedule != "megatron-1f1b")
             emulator.begin_iteration(realization)
             kwargs = dict(forward_step_func=forward_step, data_iterator=data(iteration), model=stage,
@@ -256,9 +267,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                 breakdown, report = None, None
                 measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
             else:
-                options = RRFPConfig.of(hint="1f1b" if schedule == "rrfp-strict" else schedule.split("-", 1)[1],
-                                        strict=schedule == "rrfp-strict", buffer_limit=config.buffer_limit,
-                                        timeout_s=config.timeout_s, record_spans=True)
+                options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True)
                 forward_backward_rrfp(rrfp_config=options, **kwargs)
                 report = last_iteration_report()
                 own_spans = report.spans
@@ -283,8 +292,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             done += 1
             if progress_path and rank == 0:
                 with open(progress_path, "a", encoding="utf-8") as handle:
-                    handle.write(f"{done} {total} {schedule}\n")
-        results["runs"][schedule] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
+                    handle.write(f"{done} {total} {run.key}\n")
+        results["runs"][run.key] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
                                      "breakdown": {name: statistics.median(b[name] for b in breakdowns)
                                                    for name in BREAKDOWN} if breakdowns else None, **memory}
     recorder.job_end()
@@ -335,7 +344,7 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
             open(progress_path, "w").close()
             thread = threading.Thread(target=work, daemon=True)
             thread.start()
-            total = len(config.schedules) * (config.warmup + config.iterations)
+            total = len(config.runs()) * (config.warmup + config.iterations)
             with tqdm(total=total, desc="benchmark iterations", disable=not progress, unit="it") as bar:
                 while thread.is_alive():
                     thread.join(0.5)
@@ -410,41 +419,47 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     baseline = statistics.median(first["megatron-1f1b"]["walls"])
     topology = Topology(config.pipeline_size, config.num_chunks)
     variability = config.variability_model()
-    stage_limits = {s: _per_stage(per_rank, s, "buffer_limit") for s in config.schedules}
+    bench_runs = config.runs()
+    stage_limits = {run.key: _per_stage(per_rank, run.key, "buffer_limit") for run in bench_runs}
     # The simulator runs one limit on every stage: the smallest any stage used (auto may differ per stage).
-    sim_limits = {s: min([v for v in stage_limits[s] if v] or [1]) for s in config.schedules}
+    sim_limits = {key: min([v for v in limits if v] or [1]) for key, limits in stage_limits.items()}
     sims: dict[str, list[float]] = {}
     for iteration in range(config.warmup, config.warmup + config.iterations):
         realization = sample_realization(variability, topology, config.num_microbatches,
                                          seed=config.seed * 100_003 + iteration)
-        for schedule in config.schedules:
-            sims.setdefault(schedule, []).append(simulate(policy(_SIM_POLICY[schedule], sim_limits[schedule]),
-                                                          topology, config.num_microbatches, realization).makespan)
+        for run in bench_runs:
+            sims.setdefault(run.key, []).append(simulate(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
+                                                         topology, config.num_microbatches, realization).makespan)
     sim_base = statistics.median(sims["megatron-1f1b"])
     megatron_peak = max(r["runs"]["megatron-1f1b"]["peak_activation_bytes"] for r in per_rank)
     runs = []
-    for schedule in config.schedules:
-        walls, busy = first[schedule]["walls"], first[schedule]["busy"]
+    for run in bench_runs:
+        key = run.key
+        walls, busy = first[key]["walls"], first[key]["busy"]
         median = statistics.median(walls)
-        peak_bytes = [r["runs"][schedule]["peak_activation_bytes"] for r in per_rank]
-        in_flight = [r["runs"][schedule]["peak_in_flight"] for r in per_rank]
+        peak_bytes = [r["runs"][key]["peak_activation_bytes"] for r in per_rank]
+        in_flight = [r["runs"][key]["peak_in_flight"] for r in per_rank]
         runs.append({
-            "schedule": schedule,
+            "schedule": run.schedule,
+            "buffer_limit_spec": str(run.limit) if run.swept else None,
             "iteration_time_s": {"median": median, "p90": _quantile(walls, 0.9), "all": walls},
             "speedup_vs_megatron_1f1b": baseline / median,
             "bubble_fraction": statistics.median([1 - b / (ranks * w) for b, w in zip(busy, walls)]),
             "tokens_per_s": tokens / median,
-            "simulated_iteration_time_s": statistics.median(sims[schedule]),
-            "simulated_speedup": sim_base / statistics.median(sims[schedule]),
-            "breakdown_s": _across_ranks([r["runs"][schedule]["breakdown"] for r in per_rank]),
+            "simulated_iteration_time_s": statistics.median(sims[key]),
+            "simulated_speedup": sim_base / statistics.median(sims[key]),
+            "breakdown_s": _across_ranks([r["runs"][key]["breakdown"] for r in per_rank]),
             "peak_activation_bytes": {"max_over_ranks": max(peak_bytes), "per_rank": peak_bytes},
             "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},
             "activation_memory_vs_megatron_1f1b": max(peak_bytes) / megatron_peak if megatron_peak else None,
-            "buffer_limit": None if schedule in ("megatron-1f1b", "rrfp-strict") else
-            {"spec": str(config.buffer_limit), "per_stage": stage_limits[schedule]},
+            "buffer_limit": {"spec": str(run.limit), "per_stage": stage_limits[key]} if run.swept else None,
         })
-    return {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
-            "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
+    report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
+              "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
+    if len(limit_list(config.buffer_limit)) > 1:
+        megatron_in_flight = max(r["runs"]["megatron-1f1b"]["peak_in_flight"] for r in per_rank)
+        report["tradeoff"] = tradeoff_section(config, runs, megatron_in_flight, megatron_peak)
+    return report
 
 
 def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:
@@ -470,24 +485,28 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> None:
+    from ..sim.curve import plot_tradeoff
     from ..trace import Span, plot_timelines, write_chrome_trace
 
     with open(os.path.join(config.out_dir, "bench.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
     timelines = {}
-    for schedule in config.schedules:
-        spans = [Span(**s) for r in per_rank for s in r["runs"][schedule]["spans"]]
+    for bench_run, run in zip(config.runs(), report["runs"]):
+        key = bench_run.key
+        spans = [Span(**s) for r in per_rank for s in r["runs"][key]["spans"]]
         for span in spans:  # one track per pipeline stage in the picture (rank = stage at TP=DP=1)
             span.rank = next(r["stage"] for r in per_rank if r["rank"] == span.rank) if config.tensor_parallel == \
                 config.data_parallel == 1 else span.rank
-        write_chrome_trace(spans, os.path.join(config.out_dir, f"trace-{schedule}.json"),
-                           metadata={"schedule": schedule, "measured": True, **{
-                               key: {str(r["rank"]): r["runs"][schedule][key] for r in per_rank}
-                               for key in ("peak_activation_bytes", "peak_in_flight", "buffer_limit")}})
-        run = next(r for r in report["runs"] if r["schedule"] == schedule)
-        label = (f"{schedule} (peak activations {run['peak_activation_bytes']['max_over_ranks'] / 1e6:.2f} MB, "
+        write_chrome_trace(spans, os.path.join(config.out_dir, f"trace-{key}.json"),
+                           metadata={"schedule": run["schedule"], "buffer_limit_spec": run["buffer_limit_spec"],
+                                     "measured": True, **{
+                                         name: {str(r["rank"]): r["runs"][key][name] for r in per_rank}
+                                         for name in ("peak_activation_bytes", "peak_in_flight", "buffer_limit")}})
+        label = (f"{key} (peak activations {run['peak_activation_bytes']['max_over_ranks'] / 1e6:.2f} MB, "
                  f"{run['peak_in_flight']['max_over_ranks']} in flight)")
         timelines[label] = spans
     plot_timelines(timelines, os.path.join(config.out_dir, "timeline.png"),
                    title=f"measured: {config.model} PP={config.pipeline_size} M={config.num_microbatches} "
                          f"{config.variability} (last iteration)")
+    if "tradeoff" in report:
+        plot_tradeoff(report["tradeoff"], os.path.join(config.out_dir, "tradeoff.png"))

@@ -1,31 +1,38 @@
-"""The `bench` / `demo` results table: time, speedup, bubble and memory per schedule."""
+"""The `bench` / `demo` results table: time, speedup, bubble and memory per schedule (per
+schedule and buffer limit when `--buffer-limit` is a list)."""
 
 from __future__ import annotations
 
 
 def format_table(report: dict) -> str:
     c = report["config"]
+    sweep = "tradeoff" in report
+    labels = [f"{r['schedule']}@{r['buffer_limit_spec']}" if sweep and r.get("buffer_limit_spec") else r["schedule"]
+              for r in report["runs"]]
+    width = max([15, *(len(label) + 2 for label in labels)])
     chunks = f" chunks={c['num_chunks']} (interleaved)" if c["num_chunks"] > 1 else ""
     lines = [f"{c['model']} PP={c['pipeline_size']}{chunks} TP={c['tensor_parallel']} DP={c['data_parallel']} "
              f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
              f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
-             f"{'schedule':<15}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
+             f"{'schedule':<{width}}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
              f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}"]
-    limits = []
-    for r in report["runs"]:
+    limits, specs = [], []
+    for label, r in zip(labels, report["runs"]):
         t = r["iteration_time_s"]
         ratio = r["activation_memory_vs_megatron_1f1b"]
-        lines.append(f"{r['schedule']:<15}{t['median']:>10.3f}{t['p90']:>9.3f}{r['speedup_vs_megatron_1f1b']:>8.2f}x"
+        lines.append(f"{label:<{width}}{t['median']:>10.3f}{t['p90']:>9.3f}{r['speedup_vs_megatron_1f1b']:>8.2f}x"
                      f"{100 * r['bubble_fraction']:>7.1f}%{r['tokens_per_s']:>10.0f}"
                      f"{r['peak_activation_bytes']['max_over_ranks'] / 1e6:>9.2f}"
                      + (f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}")
                      + f"{r['peak_in_flight']['max_over_ranks']:>10}"
                      f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x")
         if r["buffer_limit"] is not None:
-            spec = r["buffer_limit"]["spec"]
-            limits.append(f"{r['schedule']} {r['buffer_limit']['per_stage']}")
+            specs.append(r["buffer_limit"]["spec"])
+            limits.append(f"{label} {r['buffer_limit']['per_stage']}")
     lines.append(f"act MB: peak activation memory of the schedule call, max over ranks ({report['activation_measure']}"
                  "); in flight: peak (microbatch, chunk) forwards held, max over ranks")
     if limits:
-        lines.append(f"buffer limit {spec}, resolved per stage: " + "; ".join(limits))
+        lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
+    if sweep:
+        lines.append("fixed orders (megatron-1f1b, *-strict) ran once: a buffer limit does not change their order")
     return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""`megatron-rrfp bench --buffer-limit 1x,2x` end to end through the real CLI and launcher
+(two gloo ranks, a real megatron-core GPTModel): the new schedules run, fixed orders once,
+readiness-first ones once per limit, the trade-off section and picture are written, and at
+1x no RRFP schedule holds more forwards in flight than Megatron's own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rrfp.cli import main
+
+SCHEDULES = ("megatron-1f1b", "rrfp-strict", "rrfp-default", "rrfp-zbh1", "rrfp-zbh1-strict")
+FIXED = {"megatron-1f1b", "rrfp-strict", "rrfp-zbh1-strict"}
+LIMITS = ("1x", "2x")
+RUN_KEYS = {"schedule", "buffer_limit_spec", "iteration_time_s", "speedup_vs_megatron_1f1b", "bubble_fraction",
+            "peak_activation_bytes", "peak_in_flight", "buffer_limit", "simulated_speedup"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_sweeps_buffer_limits_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--pp", "2", "-m", "4", "--iterations", "1", "--warmup", "0", "--f0-ms", "2",
+                 "--buffer-limit", ",".join(LIMITS), "--schedules", ",".join(SCHEDULES), "--out", str(out),
+                 "--timeout", "240"])
+    assert code == 0
+    table = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    runs = report["runs"]
+    assert all(RUN_KEYS <= set(run) for run in runs), [sorted(run) for run in runs]
+
+    seen = [(run["schedule"], run["buffer_limit_spec"]) for run in runs]
+    expected = [(s, None) if s in FIXED else (s, limit) for s in SCHEDULES for limit in
+                ((None,) if s in FIXED else LIMITS)]
+    assert seen == expected
+    assert all((run["buffer_limit"] is None) == (run["schedule"] in FIXED) for run in runs)
+    assert all(run["buffer_limit"]["spec"] == run["buffer_limit_spec"] for run in runs if run["buffer_limit"])
+
+    megatron = runs[0]
+    assert megatron["schedule"] == "megatron-1f1b" and megatron["speedup_vs_megatron_1f1b"] == pytest.approx(1.0)
+    megatron_in_flight = megatron["peak_in_flight"]["max_over_ranks"]
+    assert megatron_in_flight >= 1
+    for run in runs:
+        if run["buffer_limit_spec"] == "1x":  # equal memory: never more forwards held than Megatron
+            assert run["peak_in_flight"]["max_over_ranks"] <= megatron_in_flight, run
+        assert run["peak_activation_bytes"]["max_over_ranks"] > 0, run
+
+    tradeoff = report["tradeoff"]
+    assert set(tradeoff["curve"]) == set(SCHEDULES)
+    assert all(len(points) == (1 if name in FIXED else len(LIMITS)) for name, points in tradeoff["curve"].items())
+    assert tradeoff["megatron_peak_in_flight"] == megatron_in_flight
+    assert [p["buffer_limit_spec"] for p in tradeoff["curve"]["rrfp-default"]] == list(LIMITS)
+    assert (out / "tradeoff.png").stat().st_size > 0 and (out / "timeline.png").exists()
+    assert (out / "trace-rrfp-default@2x.json").exists() and (out / "trace-rrfp-zbh1-strict.json").exists()
+    assert "rrfp-default@2x" in table and "rrfp-zbh1-strict" in table and "tradeoff.png" in table
