@@ -37,7 +37,7 @@ from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import Inbox, PipelineIteration
 from ..runtime.rounds import RoundTransport
-from ..runtime.transport import HEADER_LEN, Message, decode_header, encode_header, payload_bytes
+from ..runtime.transport import HEADER_LEN, Message, SelfDelivering, decode_header, encode_header, payload_bytes
 from .queue_device import ChannelHub, EmulatedChannel, EmulatedDevice, Op, QueueFabric, ThreadCollective, TPGroupOps
 
 
@@ -137,10 +137,8 @@ _ROUNDS = {"rounds": RoundTransport, "rounds-without-ring-rule": _RoundsWithoutR
 PROTOCOLS = (*_ROUNDS, "early-receive")
 
 
-class EarlyReceiveTransport:
+class EarlyReceiveTransport(SelfDelivering):
     """The pre-rounds CUDA protocol, op by op, on an ``EmulatedDevice`` (module docstring)."""
-
-    state_words, poll_interval = 0, None
 
     def __init__(self, *, rank: int, fabric: QueueFabric, neighbours: list[int], on_message, on_error) -> None:
         self.rank, self.fabric = rank, fabric
@@ -201,21 +199,6 @@ class EarlyReceiveTransport:
                 self._on_error(exc)
                 return
             self._on_message(Message(header.kind, header.microbatch, header.chunk, payload, src, arrived))
-
-    def local_state(self) -> tuple:
-        return ()
-
-    def advance(self, state) -> None:
-        pass
-
-    def can_dispatch(self) -> bool:
-        return True
-
-    def task_launched(self) -> None:
-        pass
-
-    def idle(self) -> bool:
-        return True
 
     def flush(self, timeout: float) -> None:
         with self._cv:

@@ -155,7 +155,7 @@ class NcclDevice:
         group = self.groups[peer]
         ops = [dist.P2POp(dist.isend, t, peer, group=group) for t in sends if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t in recvs if t.numel()]
-        return _WorkCompletion(dist.batch_isend_irecv(ops) if ops else [], cuda=True)
+        return _WorkCompletion(dist.batch_isend_irecv(ops) if ops else [], cuda=self.device.type == "cuda")
 
     def mark(self) -> EventCompletion:
         event = torch.cuda.Event()
@@ -168,12 +168,6 @@ class HostDevice(NcclDevice):
 
     def __init__(self, groups: dict[int, dist.ProcessGroup]) -> None:
         super().__init__(torch.device("cpu"), groups)
-
-    def exchange(self, peer: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> _WorkCompletion:
-        group = self.groups[peer]
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t in recvs if t.numel()]
-        return _WorkCompletion(dist.batch_isend_irecv(ops) if ops else [], cuda=False)
 
     def mark(self) -> _Done:
         return _Done()  # host compute is synchronous

@@ -23,6 +23,7 @@ message key, from which traces draw a flow arrow from the send to the receive.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Optional, Protocol
@@ -232,15 +233,8 @@ class PipelineIteration:
             self._await(lambda: bool(chosen.append(self.arbiter.choose(common | self.ready)) or chosen[-1]))
             self.agreement.announce(chosen[-1])
             return chosen[-1]
-        start = time.time()
-        try:
+        with self._agreeing():
             task = self.agreement.listen()
-        except AgreementError:
-            raise
-        except Exception as exc:  # the leader died or hung past the agreement group's timeout
-            raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
-        finally:
-            self._span("agree", "agree", start, time.time())
         self._await(lambda: task in self.ready)  # its input is on its way to us
         return task
 
@@ -259,13 +253,20 @@ class PipelineIteration:
         """(the view it was offered from, the agreed result) of an exchange run now."""
         room = self.transport.can_dispatch()
         state = self._state()
-        start = time.time()
-        try:
+        with self._agreeing():
             seen = (frozenset(self.ready), state[:self.transport.state_words], room)
             return seen, self.agreement.exchange(set(self.ready) if room else set(), state)
+
+    @contextlib.contextmanager
+    def _agreeing(self):
+        """A blocking agreement step: its time is an "agree" span, and a peer that died or
+        hung past the agreement group's timeout becomes this rank's stall diagnosis."""
+        start = time.time()
+        try:
+            yield
         except AgreementError:
             raise
-        except Exception as exc:  # a peer died or hung past the agreement group's timeout
+        except Exception as exc:
             raise PipelineStallError(self._diagnosis(f"TP agreement failed: {exc}")) from exc
         finally:
             self._span("agree", "agree", start, time.time())

@@ -226,6 +226,31 @@ def create_directed_groups(pp_group_ranks: list[int], *, timeout: datetime.timed
     return groups
 
 
+class SelfDelivering:
+    """The executor's progress hooks for a transport whose own threads deliver every
+    message: nothing to advance or agree on, never throttles the host, idle once sent
+    (``flush`` waits for the last sends). The device transport (``rounds.py``) is the one
+    that needs them."""
+
+    state_words = 0
+    poll_interval = None
+
+    def local_state(self) -> tuple[int, ...]:
+        return ()
+
+    def advance(self, state: tuple[int, ...]) -> None:
+        pass
+
+    def can_dispatch(self) -> bool:
+        return True
+
+    def task_launched(self) -> None:
+        pass
+
+    def idle(self) -> bool:
+        return True
+
+
 @dataclass(slots=True)
 class _Outgoing:
     header: torch.Tensor
@@ -233,7 +258,7 @@ class _Outgoing:
     on_sent: Optional[Callable[[], None]]
 
 
-class StageTransport:
+class StageTransport(SelfDelivering):
     """Asynchronous host-tensor (gloo) transport of one pipeline rank (module docstring).
 
     ``on_message`` / ``on_error`` run on transport threads, possibly concurrently: they
@@ -318,25 +343,6 @@ class StageTransport:
         if stuck or outstanding:  # a thread blocked in dist.send/recv cannot be interrupted
             log.warning("rank %d%s: close() left threads %s blocked; receives still expected "
                         "per source %s", self.rank, self._tag(), stuck, outstanding)
-
-    # ---- the executor's progress hooks: nothing to do, receiver threads deliver --------
-    state_words = 0
-    poll_interval = None
-
-    def local_state(self) -> tuple[int, ...]:
-        return ()
-
-    def advance(self, state: tuple[int, ...]) -> None:
-        pass
-
-    def can_dispatch(self) -> bool:
-        return True
-
-    def task_launched(self) -> None:
-        pass
-
-    def idle(self) -> bool:
-        return True  # flush() waits for the last sends
 
     def stats(self) -> TransportStats:
         with self._cv:

@@ -17,6 +17,7 @@ import torch
 
 from megatron_rrfp.policy.actions import Task
 from megatron_rrfp.runtime.inbox import Inbox
+from megatron_rrfp.runtime.transport import SelfDelivering
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class LoopbackNetwork:
         self.inboxes[dst].put(LoopbackMessage(kind, microbatch, chunk, tensor, src))
 
 
-class LoopbackTransport:
+class LoopbackTransport(SelfDelivering):
     def __init__(self, network: LoopbackNetwork, rank: int) -> None:
         self.network, self.rank = network, rank
         self.sent: list[tuple[int, str, int, int]] = []
@@ -62,24 +63,6 @@ class LoopbackTransport:
         pass
 
     # the executor's progress hooks (runtime.executor.Transport): nothing to advance
-    state_words = 0
-    poll_interval = None
-
-    def local_state(self) -> tuple:
-        return ()
-
-    def advance(self, state: tuple) -> None:
-        pass
-
-    def can_dispatch(self) -> bool:
-        return True
-
-    def task_launched(self) -> None:
-        pass
-
-    def idle(self) -> bool:
-        return True
-
 
 class RecordingWork:
     """F sends ``input + 1`` downstream, B sends the gradient upstream; all log globally."""
