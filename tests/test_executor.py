@@ -51,6 +51,7 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
     last = results[1]
     assert all(r[3]["peak_deferred_wgrad_bytes"] > 0 for r in results)  # BFW really deferred W
     assert any("W" in order for r in results for order in r[3]["orders"])
+    assert any("W" in order for r in results for order in r[8]["orders"])  # default: GPT's linears split B/W
     assert len(last[0]["losses_rrfp"]) == 50 and last[0]["losses_rrfp"][-1] < last[0]["losses_rrfp"][0]
 
 

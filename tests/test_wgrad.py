@@ -129,7 +129,9 @@ def _split(kind, ddp, pre_process):
     stage, model, batches, inputs = _build(kind, ddp, pre_process=pre_process)
     wgrad.install([model])
     wgrad.install([model])  # idempotent
-    report = wgrad.coverage([model])
+    from megatron_rrfp.mcore.wgrad_coverage import coverage
+
+    report = coverage([model])
     prefix = "model[0].module." if ddp else "model[0]."
     deferred = {name.removeprefix(prefix) for name in report.deferred}
     store = wgrad.WeightGradStore()
@@ -346,3 +348,25 @@ def test_tp2_split_equals_unsplit_and_sequence_parallel_refused():
     for out in outs:
         _check(out["compare"])
         assert "sequence_parallel" in out["sequence_parallel"] and "fc1" in out["sequence_parallel"]
+
+
+def test_default_policy_splits_the_backward_only_where_every_stage_can():
+    """with_split_capability: a model with no megatron-core linear to defer (here plain
+    torch layers, as with Transformer Engine ones) keeps the default hint unsplit, and so
+    does a stage whose neighbour cannot split (the pipeline-wide AND); other hints are
+    left as given."""
+    import torch
+
+    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.stage_work import with_split_capability
+
+    plain = [torch.nn.Sequential(torch.nn.Linear(4, 4))]
+    assert any("no trainable megatron-core" in b for b in wgrad.deferral_blockers(plain))
+    unsplit = with_split_capability(RRFPConfig(), plain, all_stages=lambda ok: ok)
+    assert unsplit.arbiter.split_backward_ok is False
+    neighbour_blocked = with_split_capability(RRFPConfig(), [torch.nn.Sequential(torch.nn.Linear(4, 4))],
+                                              all_stages=lambda ok: False)
+    assert neighbour_blocked.arbiter.split_backward_ok is False
+    explicit = RRFPConfig.of(hint="bf")
+    assert with_split_capability(explicit, plain, all_stages=lambda ok: ok) is explicit

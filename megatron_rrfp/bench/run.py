@@ -239,7 +239,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     for run in runs:
         schedule = run.schedule
         arbiter = run.arbiter()
-        split_backward = arbiter.parsed_hint.for_layout(topology).split_backward
+        split_backward = arbiter.parsed_hint.for_layout(
+            topology, split_backward=arbiter.split_backward_ok).split_backward
         walls, busy, spans, breakdowns = [], [], [], []
         memory = {"peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}
         for iteration in range(config.warmup + config.iterations):

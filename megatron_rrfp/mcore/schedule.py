@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from ..policy.budget import LimitSpec
@@ -27,7 +28,7 @@ from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
 from .grad_sync import GradSyncController
 from .session import session
-from .stage_work import MegatronStageWork, weight_grad_store
+from .stage_work import MegatronStageWork, weight_grad_store, with_split_capability
 
 _last_reports: list[IterationReport] = []
 
@@ -100,6 +101,7 @@ def forward_backward_rrfp(
     topology = Topology(len(pp_ranks), len(models))
     device = compat.pipeline_device()
     runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s, options.transport)
+    options = with_split_capability(options, models, all_stages=lambda ok: _all_true(ok, groups.pp, device))
     limit = auto_limit.call_limit(
         options, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
@@ -152,6 +154,13 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()
+
+
+def _all_true(value: bool, group, device) -> bool:
+    """Collective over ``group``: ``value`` on every rank."""
+    flag = torch.tensor([int(value)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,

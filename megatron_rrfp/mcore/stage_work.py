@@ -6,7 +6,9 @@ outputs are megatron-core's.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -130,3 +132,29 @@ def weight_grad_store(models, memory=None):
 
     wgrad.install(models)
     return wgrad.WeightGradStore(memory=memory)
+
+
+_SPLIT_BLOCKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first model chunk -> some stage can't
+
+
+def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]):
+    """``options`` (an RRFPConfig) for these models: the ``default`` hint splits the backward
+    only where ``wgrad`` can defer the weight gradients of every stage's model
+    (``deferral_blockers``; ``all_stages(ok)`` is a collective AND over the pipeline, run
+    once per model); elsewhere it resolves to its unsplit form and a rank that cannot split
+    says why, once."""
+    arbiter = options.arbiter
+    if arbiter.parsed_hint.name != "default" or not arbiter.split_backward_ok:
+        return options
+    if models[0] not in _SPLIT_BLOCKERS:
+        from . import wgrad
+
+        blockers = wgrad.deferral_blockers(models)
+        if blockers:
+            more = f" (+{len(blockers) - 1} more)" if len(blockers) > 1 else ""
+            print(f"megatron-rrfp: the default policy runs without the B/W split for this model: {blockers[0]}{more}",
+                  flush=True)
+        _SPLIT_BLOCKERS[models[0]] = not all_stages(not blockers)
+    if not _SPLIT_BLOCKERS[models[0]]:
+        return options
+    return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, split_backward_ok=False))

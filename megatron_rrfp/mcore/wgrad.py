@@ -18,13 +18,12 @@ and the output layer. That is the bulk of a transformer's weight-gradient FLOPs.
 
 What stays in B (computed by autograd during the backward, exactly as before): biases
 (cheap, several are added outside the linear's autograd function anyway), LayerNorm weights,
-embeddings, any parameter of other modules. ``coverage(models)`` lists both groups by name.
+embeddings, any parameter of other modules (``wgrad_coverage.coverage(models)`` lists both).
 A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
 Exactness: ``run(key)`` computes the same GEMM as megatron-core's unsplit backward on the
-same saved tensors and accumulates it where the unsplit backward would have (see
-``_accumulate``), so the sum over microbatches is the same up to float addition order.
-Outside ``deferring`` the layers behave exactly as megatron-core's (its own backward).
+same saved tensors and accumulates it where the unsplit backward would have
+(``_accumulate``); outside ``deferring`` the layers run megatron-core's own backward.
 
 Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install``):
   * Unsplit, DDP's per-parameter hook (on the AccumulateGrad node) adds ``param.grad``
@@ -45,8 +44,8 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     overlap_grad_reduce this module raises if B or W runs with sync enabled; without
     it, sync during W is harmless. (Megatron's schedules, and rrfp's BF path, enable
     sync before the *last backward*; with the split that point is after the last W.)
-  * ``gradient_accumulation_fusion`` (CUDA + APEX): W accumulates into ``main_grad``
-    with the same fused kernel megatron-core uses. Untested here (no CUDA on CI).
+  * ``gradient_accumulation_fusion`` (CUDA + APEX): W uses megatron-core's fused kernel
+    into ``main_grad``. Untested here (no CUDA on CI).
 
 Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
 the input, i.e. a collective in W), Megatron-FSDP parameters, and Transformer Engine
@@ -72,7 +71,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .wgrad_te import te_delay_wgrad_reason
 
-__all__ = ["WeightGradStore", "WgradCoverage", "coverage", "install"]
+__all__ = ["WeightGradStore", "deferral_blockers", "install"]
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +428,7 @@ def install(models: list[torch.nn.Module]) -> None:
     chunks, DDP-wrapped or not) for ``WeightGradStore.deferring``. Idempotent.
 
     Every other parameter keeps getting its gradient in B (exact, just not deferred);
-    ``coverage(models)`` names them. Raises NotImplementedError for layers whose
+    ``wgrad_coverage.coverage`` names them. Raises NotImplementedError for layers whose
     deferral is not supported (sequence parallel; TE layers with delay_wgrad_compute),
     and ValueError if a linear's weight has a main_grad but no megatron DDP is among
     ``models``.
@@ -450,7 +449,7 @@ def install(models: list[torch.nn.Module]) -> None:
                     _DDP_OF[param] = weakref.ref(module)
             reason = _unsupported_reason(module)
             if reason:
-                unsupported.append(f"model[{index}].{module_name} ({type(module).__name__}): {reason}")
+                unsupported.append(_blocker(index, module_name, module, reason))
             elif _is_patchable(module):
                 to_patch.append(module)
     if unsupported:  # nothing patched yet: all or nothing
@@ -465,9 +464,24 @@ def install(models: list[torch.nn.Module]) -> None:
             # An instance attribute: ColumnParallelLinear/RowParallelLinear.forward call
             # self._forward_impl at run time; other instances are left alone.
             module._forward_impl = types.MethodType(_deferrable_forward_impl, module)
-    report = coverage(models)
-    log.info("wgrad: %d weights deferred to W, %d parameters computed in B", len(report.deferred),
-             len(report.in_backward))
+    log.info("wgrad: the weight gradients of %d linears deferred to W (wgrad_coverage names them)", len(to_patch))
+
+
+def deferral_blockers(models: list[torch.nn.Module]) -> list[str]:
+    """Why splitting the backward would not work or not pay (one line each), changing
+    nothing: layers ``install`` refuses, or no megatron-core linear to defer at all (e.g.
+    only Transformer Engine layers). The default policy splits the backward only if empty."""
+    modules = [(index, name, module) for index, model in enumerate(models) for name, module in model.named_modules()]
+    blockers = [_blocker(index, name, module, reason) for index, name, module in modules
+                if (reason := _unsupported_reason(module))]
+    if not any(_is_patchable(module) and _trainable_weight(module) is not None for _, _, module in modules):
+        blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear whose weight "
+                        "gradient could be deferred")
+    return blockers
+
+
+def _blocker(index: int, name: str, module, reason: str) -> str:
+    return f"model[{index}].{name} ({type(module).__name__}): {reason}"
 
 
 def _unsupported_reason(module) -> str:
@@ -479,42 +493,3 @@ def _unsupported_reason(module) -> str:
 def _trainable_weight(module):
     weight = getattr(module, "weight", None)  # None with skip_weight_param_allocation
     return weight if isinstance(weight, torch.nn.Parameter) and weight.requires_grad else None
-
-
-def _deferred_weights(models) -> list:
-    return [m.weight for model in models for m in model.modules()
-            if _is_installed(m) and _trainable_weight(m) is not None]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WgradCoverage:
-    """Which trainable parameters of the installed models get their gradient in W."""
-
-    deferred: tuple[str, ...]
-    """Weights of installed megatron linears: gradient computed by ``run`` (W)."""
-    in_backward: tuple[tuple[str, str], ...]
-    """(parameter, owning module type) computed by autograd in B: biases, norms,
-    embeddings, other modules. Tied weights used by a linear too are listed here and
-    get that linear's part in W."""
-
-    def summary(self) -> str:
-        lines = [f"deferred to W ({len(self.deferred)}):"] + [f"  {n}" for n in self.deferred]
-        lines += [f"computed in B ({len(self.in_backward)}):"] + [f"  {n} [{t}]" for n, t in self.in_backward]
-        return "\n".join(lines)
-
-
-def coverage(models: list[torch.nn.Module]) -> WgradCoverage:
-    deferred_ids = {id(p) for p in _deferred_weights(models)}
-    deferred, in_backward, seen = [], [], set()
-    for index, model in enumerate(models):
-        for module_name, module in model.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                if not param.requires_grad or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                name = f"model[{index}].{module_name}.{param_name}".replace("..", ".")
-                if id(param) in deferred_ids:
-                    deferred.append(name)
-                else:
-                    in_backward.append((name, type(module).__name__))
-    return WgradCoverage(deferred=tuple(deferred), in_backward=tuple(in_backward))

@@ -68,6 +68,9 @@ class ArbiterConfig:
     int by the runtime, which measures memory, before it builds a plan."""
     strict: bool = False
     """True: wait for the next listed task (fixed order). False: readiness-first."""
+    split_backward_ok: bool = True
+    """The model can defer its weight gradients (W tasks): the ``default`` hint uses a split
+    backward only then. The Megatron adapter sets it from the model (mcore/schedule.py)."""
 
     def __post_init__(self) -> None:
         try:
@@ -97,7 +100,7 @@ class Arbiter:
         if not 0 <= stage < topology.num_stages:
             raise ValueError(f"stage {stage} outside pipeline of {topology.num_stages} stages")
         self.config = config
-        self.hint = config.parsed_hint.for_layout(topology)
+        self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok)
         self.stage = stage
         self.topology = topology
         self.num_microbatches = num_microbatches

@@ -36,7 +36,7 @@ class Plan:
     @property
     def hint(self):
         """The concrete hint for this layout (``default`` resolved)."""
-        return self.config.parsed_hint.for_layout(self.topology)
+        return self.config.parsed_hint.for_layout(self.topology, split_backward=self.config.split_backward_ok)
 
     @property
     def split_backward(self) -> bool:
@@ -53,7 +53,7 @@ class Plan:
 
 @lru_cache(maxsize=64)
 def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Plan:
-    hint = config.parsed_hint.for_layout(topology)
+    hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok)
     orders = hint.orders(topology, num_microbatches)
     if orders is None and config.strict:
         orders = _materialize(config, topology, num_microbatches)
