@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_harness.py -q        # ~1 min on 2 cores
 
-Rank functions are top-level (they are pickled into 'spawn' children) and import
+Rank functions are top-level (they are pickled into the rank processes) and import
 megatron-core inside, so the failure tests that skip it start in ~1 s instead of ~5 s.
 """
 from __future__ import annotations
@@ -22,13 +22,23 @@ SEQ, MBS, VOCAB, MICROBATCHES = 8, 2, 64, 4
 
 
 def _assert_all_reaped(outcomes_or_pids) -> None:
-    """No launched rank is still our child: neither running nor an unreaped zombie."""
+    """No launched rank is still a child of ours or of the fork server that forks the ranks:
+    neither running nor an unreaped zombie."""
     assert multiprocessing.active_children() == []
+    parents = {os.getpid()} | _fork_server_pids()
     for pid in (getattr(o, "pid", o) for o in outcomes_or_pids):
-        assert not _is_our_child(pid), f"rank process {pid} outlived launch()"
+        assert not _is_child_of(pid, parents), f"rank process {pid} outlived launch()"
 
 
-def _is_our_child(pid: int) -> bool:
+def _fork_server_pids() -> set[int]:
+    # multiprocessing keeps its fork server's pid privately; the ranks are its children.
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return set() if pid is None else {pid}
+
+
+def _is_child_of(pid: int, parents: set[int]) -> bool:
     # /proc rather than os.kill(pid, 0): on a busy machine a reaped pid may be reused by
     # someone else's process, which is then not our child.
     try:
@@ -42,7 +52,7 @@ def _is_our_child(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
-    return ppid == os.getpid()
+    return ppid in parents
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -57,7 +67,8 @@ def _report_layout():
         "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
         "pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
         "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
-        "env": (os.environ.get("OMP_NUM_THREADS"), os.environ.get("RRFP_TEST_MARK")),
+        "env": (os.environ.get("OMP_NUM_THREADS"), os.environ.get("RRFP_TEST_MARK"),
+                os.environ.get("RRFP_PARENT_MARK")),
         "mlp_losses": _mlp_1f1b_losses(),
     }
 
@@ -162,7 +173,9 @@ def sequential():
 # ~20 s of CPU (importing megatron.core is ~4 s per process).
 @pytest.mark.timeout(300)  # covers the module fixture's launch too
 @pytest.mark.parametrize("tp, pp", [(2, 2), (1, 4), (1, 2)], ids=["tp2pp2", "pp4", "dp2pp2"])
-def test_launch_layouts_match_parallel_state(tp, pp, sequential):
+def test_launch_layouts_match_parallel_state(tp, pp, sequential, monkeypatch):
+    # Set after the fork server started (the fixture launched): ranks see each call's environment.
+    monkeypatch.setenv("RRFP_PARENT_MARK", f"tp{tp}pp{pp}")
     out = launch(_report_layout, world_size=4, tp=tp, pp=pp, timeout=120,
                  env={"RRFP_TEST_MARK": "seen"})
     dp = 4 // (tp * pp)
@@ -172,7 +185,7 @@ def test_launch_layouts_match_parallel_state(tp, pp, sequential):
         assert o["tp"] == (rank % tp, tp)
         assert o["dp"] == ((rank // tp) % dp, dp)
         assert o["pp"] == (rank // (tp * dp), pp)
-        assert o["env"] == ("1", "seen")
+        assert o["env"] == ("1", "seen", f"tp{tp}pp{pp}")
         last_stage = o["pp"][0] == pp - 1
         # MLPStage's init is layout independent, so every layout computes the PP=1 losses.
         if last_stage:

@@ -7,7 +7,17 @@ through torch's own launcher instead: ``dist/torchrun.py``.)
     from megatron_rrfp.dist.launcher import launch
     values = launch(check_ranks, world_size=4, tp=2, timeout=60)   # pp = 4 // (2*1) = 2
 
-Each rank is a fresh 'spawn' process (nothing inherited from a forked parent, no CUDA).
+Each rank is a fresh process that inherits nothing from the launching process's state.
+On a host without CUDA it is forked from multiprocessing's fork server, which imported
+torch and megatron-core once (``_PRELOAD``): importing megatron-core costs ~10 s of CPU
+per process (it pulls in torch._dynamo and torch._inductor), which made start-up, not
+work, most of a short 4-rank run on a 2-core machine. The server is a single-threaded
+process that has never run a tensor op, so forking it is safe; it is started on the first
+launch and exits after the launching process. Where CUDA is available each rank is a
+'spawn' process instead (a fork must not inherit an initialised CUDA driver, and the GPU
+host has the cores to import in parallel). The children get the launcher's environment
+as it is at each call, under either start method; only modules the server preloaded saw
+the environment of the first launch.
 It joins a gloo process group through a TCPStore that *this* process hosts on 127.0.0.1
 (port chosen by the OS, so concurrent launches never race for a port), optionally calls
 megatron-core's ``initialize_model_parallel``, runs ``fn(*args, **kwargs)`` and sends
@@ -16,7 +26,7 @@ over is reported in one ``DistributedTestFailure`` that lists every rank: its tr
 or its live Python stacks (dumped by faulthandler on SIGUSR1 just before it is killed),
 and the tails of its captured stdout/stderr.
 
-Only processes started here are ever signalled, by pid, and none outlive ``launch``.
+Only processes started here are ever signalled, by pid, and no rank outlives ``launch``.
 This module imports torch lazily so a child can set OMP_NUM_THREADS and friends first.
 """
 from __future__ import annotations
@@ -30,6 +40,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 
@@ -44,6 +55,10 @@ STACK_DUMP_WAIT_S = 2.0
 _TAIL_LINES = 30
 _TAIL_CHARS = 4000
 _HOST = "127.0.0.1"
+# What the fork server imports once for all ranks: what every rank imports anyway.
+_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+            "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
+            "megatron.core.distributed", "megatron.core.optimizer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,15 +142,19 @@ def _rank_path(run_dir: str, rank: int, kind: str) -> str:
 def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int = 1,
            vpp: int | None = None, timeout: float = 120.0, args: tuple = (),
            kwargs: dict | None = None, init_megatron: bool = True, seed: int = 1234,
-           env: dict | None = None) -> list:
+           env: dict | None = None, start_method: str | None = None) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return values by rank.
 
     ``pp`` defaults to ``world_size // (tp * cp)``; data parallelism takes the rest.
     ``env`` adds to the children's environment (which already has OMP_NUM_THREADS=1).
     Raises ``DistributedTestFailure`` if any rank raises, dies or outlives ``timeout``
     seconds; raises ``ValueError`` for an impossible layout before starting anything.
+    ``start_method`` ('spawn' or 'forkserver') overrides the choice the module docstring
+    describes.
     """
     pp = _check_layout(world_size=world_size, tp=tp, pp=pp, cp=cp, vpp=vpp)
+    if start_method not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r}: use 'spawn', 'forkserver' or None (automatic)")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))  # fail here, not in 4 children
     child_env = _child_env(env)
 
@@ -146,14 +165,20 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
     store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout + 60))
     procs: list = []
+    launcher_alive = None  # under 'forkserver': (read end for the ranks, our write end)
     try:
-        ctx = multiprocessing.get_context("spawn")
+        start_method = start_method or _default_start_method()
+        ctx = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once the server runs
+            launcher_alive = ctx.Pipe(duplex=False)
         for rank in range(world_size):
             spec = _RankSpec(rank=rank, world_size=world_size, parent_pid=os.getpid(),
                              store_port=store.port, tp=tp, pp=pp, cp=cp, vpp=vpp,
                              init_megatron=init_megatron, seed=seed, env=child_env,
                              payload=payload, run_dir=run_dir, pg_timeout_s=timeout + 30)
-            proc = ctx.Process(target=_child_main, args=(spec,), name=f"rrfp-rank{rank}")
+            watch = None if launcher_alive is None else launcher_alive[0]
+            proc = ctx.Process(target=_child_main, args=(spec, watch), name=f"rrfp-rank{rank}")
             proc.start()
             procs.append(proc)
         return _supervise(procs, run_dir=run_dir, timeout=timeout,
@@ -164,6 +189,8 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
             if proc.exitcode is None:
                 proc.kill()
             proc.join()
+        for end in launcher_alive or ():
+            end.close()
         del store
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -182,9 +209,19 @@ def _check_layout(*, world_size: int, tp: int, pp: int | None, cp: int, vpp: int
     return pp
 
 
+def _default_start_method() -> str:
+    import torch
+
+    # On a CUDA host the parent may initialise the driver; only 'spawn' is safe there.
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def _child_env(extra: dict | None) -> dict:
+    # The whole environment: a forked rank would otherwise see the fork server's, which is
+    # the launcher's as it was at the first launch.
+    env = dict(os.environ)
     # 2-core CI machines run 4+ ranks: one intra-op thread each avoids oversubscription.
-    env = {"OMP_NUM_THREADS": "1"}
+    env["OMP_NUM_THREADS"] = "1"
     # gloo resolves the hostname to pick an interface; containers often resolve it to an
     # unroutable address. Loopback is what we use anyway.
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
@@ -331,9 +368,10 @@ def _tail(path: str) -> str:
 _KEEP_OPEN: list = []  # files faulthandler writes to must outlive _child_main's frames
 
 
-def _child_main(spec: _RankSpec) -> None:
+def _child_main(spec: _RankSpec, launcher_alive) -> None:
     _redirect_stdio(spec)
-    die_with_parent(spec.parent_pid)  # SIGKILL this rank if the launcher (e.g. pytest) dies
+    _die_with_launcher(spec, launcher_alive)
+    os.environ.clear()
     os.environ.update(spec.env)
     import faulthandler
 
@@ -358,6 +396,28 @@ def _child_main(spec: _RankSpec) -> None:
     # Skip interpreter shutdown: on a loaded machine, garbage-collecting the destroyed
     # gloo groups at exit was seen to hang all ranks ("Garbage-collecting", no Python frame).
     _hard_exit(0)
+
+
+def _die_with_launcher(spec: _RankSpec, launcher_alive) -> None:
+    """SIGKILL this rank if the launcher (e.g. pytest) dies, however it dies.
+
+    A 'spawn' rank is the launcher's child: the kernel's parent-death signal does it. A
+    'forkserver' rank is the server's child, and the server outlives the launcher while
+    any rank lives (each holds the server's keep-alive pipe), so a thread waits on a pipe
+    whose only write end the launcher holds: end of file means the launcher is gone.
+    """
+    if launcher_alive is None:
+        die_with_parent(spec.parent_pid)
+        return
+
+    def wait_for_launcher_exit() -> None:
+        try:
+            launcher_alive.recv_bytes()  # the launcher never writes
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_launcher_exit, name="rrfp-launcher-watch", daemon=True).start()
 
 
 def _redirect_stdio(spec: _RankSpec) -> None:
