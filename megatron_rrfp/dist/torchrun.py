@@ -4,8 +4,9 @@ Exactly what ``torchrun --standalone --nnodes 1 --nproc-per-node N -m MODULE ARG
 (torch.distributed.run: an elastic agent in this process, a c10d rendezvous on a free local
 port, no restarts), called in-process so that a failure ends in a short summary instead of
 a traceback: the agent stops the other ranks (SIGTERM, SIGKILL 30 s later) as soon as one
-fails; each failed rank is named (exit code, or the signal that killed it) and the first
-failure's status is returned shell-style (128 + N for a rank killed by signal N).
+fails; each failed rank is named (exit code, or the signal that killed it) and the status
+of the first rank killed by a signal (else of the first failure) is returned shell-style
+(128 + N for a rank killed by signal N).
 
 The ranks inherit this process's stdout and stderr and see torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, ...).
@@ -40,7 +41,8 @@ def run_module(nproc: int, module: str, args: Sequence[str], *, env: Optional[di
 
 
 def _report(failed, nproc: int) -> int:
-    """Name each failed rank; the first failure's exit status."""
+    """Name each failed rank; the exit status of the first rank killed by a signal, else of
+    the first failure."""
     failures = sorted(failed.failures.items(), key=lambda item: item[1].timestamp)
     for rank, failure in failures:
         _say(f"rank {rank} (pid {failure.pid}) {describe_exit(failure.exitcode)}")
@@ -48,7 +50,10 @@ def _report(failed, nproc: int) -> int:
     if stopped:
         _say(f"torch's launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
              "(SIGTERM) after that")
-    return exit_status(failures[0][1].exitcode) if failures else 1
+    # A rank killed by a signal (not the launcher's SIGTERM) is the cause: the others' errors
+    # follow from it, and they may be recorded first (the agent stamps whole seconds).
+    killed = [f for _, f in failures if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+    return exit_status((killed or [f for _, f in failures])[0].exitcode) if failures else 1
 
 
 def exit_status(returncode: int) -> int:

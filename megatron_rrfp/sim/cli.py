@@ -81,7 +81,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     limits = [int(part) if part.isdigit() else part
               for part in (p.strip() for p in str(args.buffer_limit).split(",")) if part]
     if not limits:
-        raise ValueError("--buffer-limit: give an integer, a multiple such as 1x, or a comma list of them")
+        raise ValueError(f"--buffer-limit must be {_STUDY['buffer_limit'].describe()} (or a comma list of them), "
+                         f"got {args.buffer_limit!r}")
     for limit in limits:
         _STUDY["buffer_limit"].check("--buffer-limit", limit)
 
