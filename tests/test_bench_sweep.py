@@ -53,3 +53,12 @@ def test_bench_sweeps_buffer_limits_end_to_end(tmp_path, capsys):
     assert (out / "tradeoff.png").stat().st_size > 0 and (out / "timeline.png").exists()
     assert (out / "trace-rrfp-default@2x.json").exists() and (out / "trace-rrfp-zbh1-strict.json").exists()
     assert "rrfp-default@2x" in table and "rrfp-zbh1-strict" in table and "tradeoff.png" in table
+
+
+def test_a_limit_list_with_auto_is_accepted_before_any_rank_starts():
+    """'auto' is measured at run time; the layout check runs it at 1x, where it starts."""
+    from megatron_rrfp.bench.run import BenchConfig
+
+    config = BenchConfig(pipeline_size=2, num_microbatches=4, buffer_limit=["1x", "auto"],
+                         schedules=("megatron-1f1b", "rrfp-default"))
+    assert [run.key for run in config.runs()] == ["megatron-1f1b", "rrfp-default@1x", "rrfp-default@auto"]

@@ -146,7 +146,10 @@ class BenchConfig:
             raise ValueError(f"--goodput-ledger {self.goodput_ledger!r} is a directory; give the ledger file's path")
         self.variability_model().check_layout(self.pipeline_size)
         topology = Topology(self.pipeline_size, self.num_chunks)
-        for name, limit in dict.fromkeys((_SIM_POLICY[run.schedule], run.limit) for run in self.runs()):
+        # 'auto' is measured at run time and starts at 1x: the layout is checked there
+        checked = dict.fromkeys((_SIM_POLICY[run.schedule], "1x" if str(run.limit).strip().lower() == "auto"
+                                 else run.limit) for run in self.runs())
+        for name, limit in checked:
             try:
                 Plan.build(policy(name, limit), topology, self.num_microbatches)
             except ValueError as exc:
