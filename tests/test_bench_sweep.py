@@ -61,4 +61,5 @@ def test_a_limit_list_with_auto_is_accepted_before_any_rank_starts():
 
     config = BenchConfig(pipeline_size=2, num_microbatches=4, buffer_limit=["1x", "auto"],
                          schedules=("megatron-1f1b", "rrfp-default"))
+    config.validate()  # raised "buffer limit 'auto' ... this caller has no measure" before
     assert [run.key for run in config.runs()] == ["megatron-1f1b", "rrfp-default@1x", "rrfp-default@auto"]
