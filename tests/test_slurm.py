@@ -88,6 +88,9 @@ class Job:
             if time.monotonic() > deadline:
                 pytest.fail(f"job {self.id} not pending again after {timeout} s:\n{_scontrol(self.id)}")
             time.sleep(0.2)
+        # slurmd revokes the old run's credential with a whole-second stamp: a restart within
+        # that second is "Killing non-startable batch job: Job credential revoked"
+        time.sleep(2)
         _run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
 
 
