@@ -290,8 +290,12 @@ def train(cfg: TrainConfig) -> int:
         _ledger_note(cfg, recorder)
         finished = True
     except BaseException as exc:
+        terminated = signals.terminating  # before failing(): SIGTERM came first, so it is the cause
         signals.failing()  # a SIGTERM from the launcher now waits for this report
-        recorder.disruption(type(exc).__name__, str(exc), rank=dist.get_rank())  # flushed (<= 2 s)
+        kind, message = type(exc).__name__, str(exc)
+        if terminated and not isinstance(exc, JobTerminated):  # e.g. a peer that ended its grace first
+            kind, message = JobTerminated.__name__, f"stopped by SIGTERM; while stopping: {kind}: {message}"
+        recorder.disruption(kind, message, rank=dist.get_rank())  # flushed (<= 2 s)
         raise
     finally:
         if metrics is not None:
@@ -346,6 +350,7 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
             if written and run.iteration == cfg.train_iters:
                 print(f"trace of the last iteration: {written}", flush=True)
         at_end = run.iteration == cfg.train_iters
+        signals.raise_if_expired()
         stop = signals.exit_requested() and not at_end  # collective with --exit-signal-handler
         if cfg.save and (at_end or stop or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
             with recorder.checkpoint_save(run.iteration):  # "ok" only if the save did not raise

@@ -42,6 +42,7 @@ class Signals:
         self.terminating = False
         self.exit_signal_received = False
         self._failing = False
+        self._expired = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> Signals:
@@ -103,8 +104,18 @@ class Signals:
 
     def _on_alarm(self, signum, frame) -> None:
         if self.terminating and not self._failing:
-            raise JobTerminated(f"rank {self.rank}: stopped by SIGTERM from the launcher or scheduler "
-                                f"({self.grace_s:g} s after it arrived)")
+            self._expired = True  # raised again after the iteration if code below swallows it
+            raise self._terminated()
+
+    def raise_if_expired(self) -> None:
+        """After each iteration: the grace ended while a catch-all (e.g. the never-raising
+        goodput recorder) was running, which swallowed the handler's exception."""
+        if self._expired and not self._failing:
+            raise self._terminated()
+
+    def _terminated(self) -> JobTerminated:
+        return JobTerminated(f"rank {self.rank}: stopped by SIGTERM from the launcher or scheduler "
+                             f"({self.grace_s:g} s after it arrived)")
 
 
 def _say(message: str) -> None:
