@@ -30,7 +30,7 @@ from typing import ClassVar, Optional
 
 from ..checks import BUFFER_LIMITS, TIMEOUT_S, Bound, bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
-from ..policy.budget import LimitSpec, check_limit_spec
+from ..policy.budget import LimitSpec, check_limit_spec, starting_limit
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list, tradeoff_section
@@ -146,10 +146,7 @@ class BenchConfig:
             raise ValueError(f"--goodput-ledger {self.goodput_ledger!r} is a directory; give the ledger file's path")
         self.variability_model().check_layout(self.pipeline_size)
         topology = Topology(self.pipeline_size, self.num_chunks)
-        # 'auto' is measured at run time and starts at 1x: the layout is checked there
-        checked = dict.fromkeys((_SIM_POLICY[run.schedule], "1x" if str(run.limit).strip().lower() == "auto"
-                                 else run.limit) for run in self.runs())
-        for name, limit in checked:
+        for name, limit in dict.fromkeys((_SIM_POLICY[run.schedule], starting_limit(run.limit)) for run in self.runs()):
             try:
                 Plan.build(policy(name, limit), topology, self.num_microbatches)
             except ValueError as exc:

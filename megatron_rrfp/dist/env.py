@@ -93,3 +93,18 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """COLLECTIVE over the default group (every rank, same call): the element-wise maximum of
+    ``values`` across ranks, in one all-reduce (on the current GPU under NCCL); ``values``
+    itself without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [float(v) for v in values]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..policy.arbiter import ArbiterConfig
-from ..policy.budget import AUTO_MARGIN, fit_to_budget, megatron_peak_in_flight
+from ..policy.budget import AUTO_MARGIN, fit_to_budget, is_auto, megatron_peak_in_flight, starting_limit
 from ..policy.topology import Topology
 from .config import RRFPConfig
 
@@ -59,10 +59,6 @@ _states: dict[tuple, _Auto] = {}
 _ranks_on_host: list[int] = []  # cached: [count]
 
 
-def is_auto(spec) -> bool:
-    return isinstance(spec, str) and spec.strip().lower() == "auto"
-
-
 def call_limit(options: RRFPConfig, *, models: list, topology: Topology, num_microbatches: int, stage: int,
                forward_only: bool, device: torch.device, pp_group, agreement_group) -> CallLimit:
     """This call's ``ArbiterConfig``: ``options.arbiter`` itself unless its limit is ``auto``,
@@ -70,7 +66,7 @@ def call_limit(options: RRFPConfig, *, models: list, topology: Topology, num_mic
     policy = options.arbiter
     if not is_auto(policy.buffer_limit):
         return CallLimit(policy)
-    at_one_x = replace(policy, buffer_limit="1x")
+    at_one_x = replace(policy, buffer_limit=starting_limit(policy.buffer_limit))
     if forward_only or policy.strict:
         return CallLimit(at_one_x)
     key = (tuple(map(id, models)), policy.parsed_hint, options.activation_budget_bytes, topology, num_microbatches)
@@ -140,4 +136,4 @@ def reset() -> None:
     _states.clear()
 
 
-__all__ = ["CallLimit", "call_limit", "free_memory_bytes", "is_auto", "reset"]
+__all__ = ["CallLimit", "call_limit", "free_memory_bytes", "reset"]

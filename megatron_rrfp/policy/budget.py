@@ -121,6 +121,16 @@ def fit_to_budget(one_x: int, cap: int, *, bytes_per_forward: float, budget_byte
     return min(cap, max(one_x, fits))
 
 
+def is_auto(spec: LimitSpec) -> bool:
+    return isinstance(spec, str) and spec.strip().lower() == "auto"
+
+
+def starting_limit(spec: LimitSpec) -> LimitSpec:
+    """The limit a run starts with: ``auto`` calibrates at ``1x`` (the memory the config is
+    sized for) and only grows from there, so a layout check of ``auto`` runs at ``1x``."""
+    return "1x" if is_auto(spec) else spec
+
+
 def describe_limit(spec: LimitSpec, topology: Topology, num_microbatches: int) -> str:
     """'12 (1.5x Megatron's 8)' — for reports."""
     limit = resolve_buffer_limit(spec, topology, num_microbatches)
@@ -129,4 +139,4 @@ def describe_limit(spec: LimitSpec, topology: Topology, num_microbatches: int) -
 
 
 __all__ = ["AUTO_MARGIN", "BufferLimitError", "LimitSpec", "check_limit_spec", "describe_limit", "fit_to_budget",
-           "megatron_peak_in_flight", "parse_limit", "resolve_buffer_limit"]
+           "is_auto", "megatron_peak_in_flight", "parse_limit", "resolve_buffer_limit", "starting_limit"]

@@ -20,6 +20,7 @@ from ..checks import Bound, bound, check_fields, integer
 from ..mcore.config import DEFAULT_TIMEOUT_S
 from ..megatron_lm.flags import add_rrfp_arguments, rrfp_config_from_args, validate_rrfp_arguments
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
+from ..policy.budget import starting_limit
 from .signals import EXIT_SIGNALS
 
 
@@ -256,8 +257,7 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
 
         microbatches = c.global_batch_size // (c.micro_batch_size * dp)
         arbiter = rrfp_config_from_args(c).arbiter
-        if str(arbiter.buffer_limit).strip().lower() == "auto":  # measured at run time, where it starts at 1x
-            arbiter = dataclasses.replace(arbiter, buffer_limit="1x")
+        arbiter = dataclasses.replace(arbiter, buffer_limit=starting_limit(arbiter.buffer_limit))
         try:
             Plan.build(arbiter, Topology(pp), microbatches)
         except ValueError as exc:

@@ -333,7 +333,8 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
         window_memory = [max(a, b) for a, b in zip(window_memory, step.memory)]
         extra = ()
         if run.iteration % cfg.log_interval == 0 or run.iteration == cfg.train_iters:
-            peak, in_flight = _max_over_ranks(window_memory)  # collective: every rank logs at the same iterations
+            # collective: every rank logs at the same iterations
+            peak, in_flight = distenv.max_over_ranks(window_memory)
             extra = (LogField("peak activations (MB)", f"{peak / 2**20:.2f}"),
                      LogField("forwards in flight", f"{in_flight:.0f}"))
             window_memory = [0, 0]
@@ -361,17 +362,6 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
         if stop:
             _rank0_print(f"exiting after iteration {run.iteration} on {cfg.exit_signal} (--exit-signal-handler)")
             return
-
-
-def _max_over_ranks(values: list) -> list:
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 def _checkpoint_format(cfg: TrainConfig, iteration: Optional[int], *, saving: bool = False):

@@ -201,17 +201,14 @@ def _on_gpu() -> bool:
 def peak_memory_bytes() -> float:
     """Collective (every rank): the largest peak memory of any rank (see the module doc)."""
     import torch
-    import torch.distributed as dist
+
+    from ..dist.env import max_over_ranks
 
     if _on_gpu():
-        mine, device = float(torch.cuda.max_memory_allocated()), torch.device("cuda", torch.cuda.current_device())
+        mine = float(torch.cuda.max_memory_allocated())
     else:
-        mine, device = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, torch.device("cpu")
-    if not (dist.is_available() and dist.is_initialized()):
-        return mine
-    value = torch.tensor([mine], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
+        mine = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return max_over_ranks([mine])[0]
 
 
 __all__ = ["Interval", "LogField", "TIMERS_LEVEL_1", "TIMERS_LEVEL_2", "TrainingMetrics", "peak_memory_bytes"]

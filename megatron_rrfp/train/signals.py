@@ -71,18 +71,9 @@ class Signals:
         """COLLECTIVE with an exit signal configured: whether any rank got it (one all-reduce)."""
         if self.exit_signal is None:
             return False
-        import torch
-        import torch.distributed as dist
+        from ..dist.env import max_over_ranks
 
-        flag = float(self.exit_signal_received)
-        if dist.is_available() and dist.is_initialized():
-            device = torch.device("cpu")
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            value = torch.tensor([flag], device=device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            flag = float(value.item())
-        return flag > 0
+        return max_over_ranks([float(self.exit_signal_received)])[0] > 0
 
     # -- handlers (main thread, between bytecodes) ---------------------------------------
 
