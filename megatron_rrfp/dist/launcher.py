@@ -15,7 +15,12 @@ work, most of a short 4-rank run on a 2-core machine. The server is a single-thr
 process that has never run a tensor op, so forking it is safe; it is started on the first
 launch and exits after the launching process. Where CUDA is available each rank is a
 'spawn' process instead (a fork must not inherit an initialised CUDA driver, and the GPU
-host has the cores to import in parallel). The children get the launcher's environment
+host has the cores to import in parallel). With a CUDA build of torch on a host without
+a GPU (what a plain ``pip install torch`` gives), importing megatron-core in the server asks
+the driver for the device count (finding none, initialising nothing), and torch then
+flags every forked rank so that any CUDA call in it raises "Cannot re-initialize CUDA in
+forked subprocess"; none is reached, because ``mcore/cpu.py`` redirects megatron-core's
+CUDA calls on such hosts. The children get the launcher's environment
 as it is at each call, under either start method; only modules the server preloaded saw
 the environment of the first launch.
 It joins a gloo process group through a TCPStore that *this* process hosts on 127.0.0.1

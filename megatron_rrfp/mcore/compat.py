@@ -112,6 +112,18 @@ def finalize_model_grads(config, models, num_tokens, *, pg_collection, force_all
     fn(models, num_tokens, **kwargs)
 
 
+def mlp_submodules(mlp_spec):
+    """The ``MLPSubmodules`` of a layer spec's ``mlp`` entry: a ``ModuleSpec`` up to 0.18, a
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19."""
+    submodules = getattr(mlp_spec, "submodules", None)
+    if submodules is None:
+        submodules = getattr(mlp_spec, "keywords", {}).get("submodules")
+    if submodules is None:
+        raise TypeError(f"megatron_rrfp: cannot find the MLP submodules in the layer spec's mlp entry {mlp_spec!r} "
+                        f"(megatron-core {MEGATRON_CORE_VERSION})")
+    return submodules
+
+
 def expert_parallel_size() -> int:
     from megatron.core import parallel_state
 

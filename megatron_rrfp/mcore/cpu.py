@@ -28,6 +28,8 @@ import torch
 #                         TP all-gather / reduce-scatter outputs (gather_output=True, SP)
 #   tensor_parallel.random CudaRNGStatesTracker.fork(): swaps CUDA RNG states around
 #                         dropout; GPTModel enters it in attention and transformer block
+#   distributed/param_and_grad_buffer.py (0.19)  torch.cuda.current_stream().wait_event(...)
+#                         before every bucket reduction
 # Rather than patch functions (their bodies change every release), each affected module
 # gets its own stand-in for its global name `torch`: identical except that "cuda" devices
 # become "cpu" and torch.cuda.current_device/synchronize are CPU-safe. Nothing outside
@@ -115,7 +117,11 @@ def cpu_factory(factory):
 
 
 class _CpuCuda(types.ModuleType):
-    """Stand-in for torch.cuda: the calls megatron makes unconditionally are CPU-safe."""
+    """Stand-in for torch.cuda: the calls megatron makes unconditionally are CPU-safe.
+
+    On a CUDA build of torch without a GPU these calls would otherwise try to initialise the
+    driver (and, in a rank forked from the launcher's server, fail as 'Cannot re-initialize
+    CUDA in forked subprocess', since importing megatron-core already asked for the device count)."""
 
     def __init__(self):
         super().__init__("torch.cuda")
@@ -130,6 +136,34 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device=None):
         return None  # CPU ops and gloo waits are already synchronous
+
+    @staticmethod
+    def current_stream(device=None):
+        # 0.19's bucket groups wait on the current stream before reducing (CUDA-graph events)
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext()
+
+
+class _CpuStream:
+    """The one 'stream' of a CPU host: work is already ordered, so waits are no-ops."""
+
+    def wait_event(self, event=None) -> None:
+        return None
+
+    def wait_stream(self, stream=None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+
+_CPU_STREAM = _CpuStream()
 
 
 class _CpuTorch(types.ModuleType):

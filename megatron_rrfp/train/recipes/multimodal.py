@@ -54,6 +54,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from ...mcore import compat
 from .. import models
 
 __all__ = [
@@ -200,7 +201,7 @@ class MultimodalStage(MegatronModule):
         if pre_process:
             vision_config = _vision_config(config, spec)
             self.vision = VisionEncoder(vision_config, spec)
-            mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+            mlp = compat.mlp_submodules(get_gpt_layer_local_spec().submodules.mlp)
             self.projector = MultimodalProjector(config, mlp, "mlp",
                                                  spec.vision_hidden_size * spec.patches_per_token)
         self.language_model = GPTModel(
