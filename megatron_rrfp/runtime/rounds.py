@@ -144,7 +144,8 @@ class RoundTransport:
         self._on_message, self._on_error, self._wake = on_message, on_error, wake
         self.max_tasks_ahead = max_tasks_ahead
         me = stage_of[rank]
-        self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours))}
+        # By stage, so agreeing ranks of different pipelines (EP across replicas) list the same roles in one order.
+        self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours), key=stage_of.__getitem__)}
         # Stage 0 of an interleaved ring leads both its pairs: it never has rounds of both in flight.
         self._exclusive = sum(pair.leader for pair in self._pairs.values()) > 1
         self.state_words = len(self._pairs)
