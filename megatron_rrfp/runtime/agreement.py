@@ -1,4 +1,16 @@
-"""Tensor-parallel agreement: every rank of a TP (x CP) group runs the same task next.
+"""Agreement: every rank of a stage that shares collectives with others runs the same task next.
+
+The group: tensor x context parallel ranks, joined with expert-tensor x expert parallel
+ranks under MoE (the token all-to-alls of one MoE layer span data-parallel replicas, i.e.
+ranks of different pipelines; ``create_agreement_groups`` joins overlapping groups). Why
+the exact task and not a cheaper rule across replicas: an all-to-all matches on layer order
+only, so replicas need only agree on (kind, chunk) — not on the microbatch. But TP ranks
+must run the same microbatch (same data, same shapes), the arbiter's state (in-flight
+count, buffer limit, hint position) would then differ per replica and with it every later
+choice, and a (kind, chunk) intersection still needs one exchange per decision: the cost
+is the same, only some bubbles shorter, and the digest check would weaken. So the whole
+group agrees on the task, exactly as TP ranks do; runtime/rounds.py gives the
+deadlock-freedom argument for it on NCCL.
 
 The paper proposes a microbatch, all-gathers the proposals and retries on disagreement —
 progress then depends on retry luck. Here each decision is ONE small all-gather of the
@@ -325,4 +337,5 @@ class TPAgreement:
                       my_state=my_state, last_post_s=int(words[:, 2].max()) / 1e9)
 
 
-__all__ = ["Agreed", "AgreementError", "Collective", "GlooCollective", "TPAgreement", "create_agreement_groups", "joined_groups"]
+__all__ = ["Agreed", "AgreementError", "Collective", "GlooCollective", "TPAgreement", "create_agreement_groups",
+           "joined_groups"]
