@@ -53,3 +53,32 @@ def test_moe_ep2_pp2_two_chunks_like_megatron_interleaved():
              dict(model="moe", num_microbatches=4, iterations=2, hint="bfw")]
     results = launch(compare_interleaved_cases, world_size=4, pp=2, ep=2, vpp=2, timeout=360, args=(cases,))
     _check(results)
+
+
+MOE_TRAIN = ["--cpu", "--nproc", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0",
+             "--train-iters", "3", "--log-interval", "1", "--num-experts", "4", "--expert-model-parallel-size", "2",
+             "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
+
+
+@pytest.mark.timeout(300)
+def test_train_ep2_pp2_rrfp_logs_the_losses_of_1f1b():
+    from test_train import losses, train
+
+    rrfp = losses(train(*MOE_TRAIN, "--pipeline-schedule", "rrfp", "--rrfp-hint", "bf", timeout=140))
+    megatron = losses(train(*MOE_TRAIN, "--pipeline-schedule", "1f1b", timeout=140))
+    assert rrfp.keys() == megatron.keys() == {1, 2, 3}
+    assert all(abs(rrfp[i] - megatron[i]) <= 1e-5 for i in rrfp), (rrfp, megatron)
+
+
+def test_train_moe_flags_are_checked_before_any_rank_starts():
+    from megatron_rrfp.train.config import TrainConfig, validate
+
+    with pytest.raises(ValueError, match="--num-experts 3 is not divisible by --expert-model-parallel-size 2"):
+        validate(TrainConfig(num_experts=3, expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs --num-experts"):
+        validate(TrainConfig(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4 does not divide the data-parallel size 2"):
+        validate(TrainConfig(num_experts=4, expert_model_parallel_size=4, pipeline_model_parallel_size=2),
+                 world_size=4)
