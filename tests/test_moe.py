@@ -82,3 +82,32 @@ def test_train_moe_flags_are_checked_before_any_rank_starts():
     with pytest.raises(ValueError, match="--expert-model-parallel-size 4 does not divide the data-parallel size 2"):
         validate(TrainConfig(num_experts=4, expert_model_parallel_size=4, pipeline_model_parallel_size=2),
                  world_size=4)
+
+
+def test_agreement_groups_join_overlapping_tp_and_expert_groups():
+    from megatron_rrfp.runtime.agreement import joined_groups
+
+    # TP {0,1} and {2,3}; expert groups {0,2} join them into one stage-wide group; {4,5} stays apart
+    assert joined_groups([[0, 1], [0, 2], [2, 3], [4, 5], [6]]) == [(0, 1, 2, 3), (4, 5), (6,)]
+
+
+def test_moe_variability_slowest_expert_rank_sets_the_time_and_a2a_stays_in_b():
+    import numpy as np
+
+    from megatron_rrfp.policy.actions import Kind, Task
+    from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.sim.variability import Variability, moe_load_factor, sample_realization
+
+    rng = np.random.default_rng(0)
+    balanced = moe_load_factor(Variability(num_experts=8, expert_parallel=2, moe_skew=0.0, moe_concentration=1e6),
+                               (2, 1, 16), rng)
+    skewed = moe_load_factor(Variability(num_experts=8, expert_parallel=2, moe_skew=1.5, moe_concentration=5),
+                             (2, 1, 16), rng)
+    assert np.all(balanced >= 1.0) and balanced.mean() < 1.02  # multinomial noise only
+    assert skewed.mean() > 1.1 and skewed.std() > 0.01  # hot experts, varying per microbatch
+    v = Variability(num_experts=8, expert_parallel=2, a2a_time=0.2)
+    r = sample_realization(v, Topology(2), 4, seed=1)
+    b, w = r.duration(0, Task(Kind.B, 1, 0), True), r.duration(0, Task(Kind.W, 1, 0), True)
+    assert abs((b - w) - r.backward_comm[0][0][1]) < 1e-12 and r.backward_comm[0][0][1] >= 0.2 * 0.99
+    dense = sample_realization(Variability(), Topology(2), 4, seed=1)
+    assert dense.backward_comm is None and r.forward != dense.forward
