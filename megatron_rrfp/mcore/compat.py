@@ -158,13 +158,19 @@ def process_groups(*, pg_collection=None, p2p_communicator=None, whole_stage: bo
             parallel_state.get_pipeline_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_group()
         cp = parallel_state.get_context_parallel_group()
-        sharing = [parallel_state.get_tensor_and_context_parallel_group()]
-        if expert_parallel_size() > 1:
-            sharing.append(parallel_state.get_expert_tensor_and_model_parallel_group())
+        sharing = [parallel_state.get_tensor_and_context_parallel_group(), _expert_group(parallel_state)]
         if whole_stage:
             sharing.append(parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
     agreement = sorted({r for group in sharing if group is not None for r in dist.get_process_group_ranks(group)})
     return ScheduleGroups(pp=pp, tp=tp, cp=cp, agreement_ranks=agreement, collection=pg_collection)
+
+
+def _expert_group(parallel_state):
+    """Expert-tensor x expert parallel ranks (None where megatron did not create them)."""
+    try:
+        return parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+    except (AssertionError, AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def reduces_over_data_parallel(config) -> bool:
