@@ -44,6 +44,8 @@ _STAND_IN_ARGUMENTS = textwrap.dedent('''
         parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
         parser.add_argument("--micro-batch-size", type=int, default=1)
         parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+        parser.add_argument("--moe-shared-expert-overlap", action="store_true")
+        parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true")
         return parser
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -134,6 +136,12 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
     assert args.freeze_LM and args.pipeline_schedule == "rrfp" and args.rrfp_buffer_limit == 16
 
 
+def test_expert_parallelism_is_accepted_with_rrfp(arguments, monkeypatch):
+    args = _parse(arguments, monkeypatch, ["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2",
+                                           "--expert-model-parallel-size", "2"])
+    assert args.pipeline_schedule == "rrfp" and args.expert_model_parallel_size == 2
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--pipeline-schedule", "gpipe"], "--pipeline-schedule"),
     (["--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "0"], "--rrfp-buffer-limit"),
@@ -143,8 +151,9 @@ def test_entry_script_keeps_its_extra_args_provider_slot(arguments, monkeypatch)
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "soon"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "nan"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "inf"], "--rrfp-timeout"),
-    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-     "--expert-model-parallel-size 2"),
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+      "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
+    (["--pipeline-schedule", "rrfp", "--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm"),
     (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--rrfp-hint", "{hint3}"],
      "lists 3 stages but the pipeline has 2"),
     (["--pipeline-schedule", "rrfp", "--rrfp-hint", "no-such-hint"], "--rrfp-hint"),

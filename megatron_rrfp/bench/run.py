@@ -145,6 +145,10 @@ class BenchConfig:
         if self.goodput_ledger is not None and os.path.isdir(self.goodput_ledger):
             raise ValueError(f"--goodput-ledger {self.goodput_ledger!r} is a directory; give the ledger file's path")
         self.variability_model().check_layout(self.pipeline_size)
+        experts, ep = self.workload.num_experts, self.workload.expert_parallel
+        if ep > 1 and (not experts or self.data_parallel % ep or self.model != "gpt"):
+            raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts, --model gpt and a --dp that it "
+                             f"divides (got --num-experts {experts}, --model {self.model}, --dp {self.data_parallel})")
         topology = Topology(self.pipeline_size, self.num_chunks)
         for name, limit in dict.fromkeys((_SIM_POLICY[run.schedule], starting_limit(run.limit)) for run in self.runs()):
             try:
@@ -160,17 +164,31 @@ class BenchConfig:
 
 # -- what each rank runs --------------------------------------------------------------
 
+def _moe_options(workload: Variability) -> dict:
+    """The benchmark's MoE GPT: megatron-core's experts (SequentialMLP, alltoall dispatcher,
+    aux loss); the emulated durations carry the modeled expert load (sim/variability.py)."""
+    if not workload.num_experts:
+        return {}
+    return dict(num_moe_experts=workload.num_experts, expert_model_parallel_size=workload.expert_parallel,
+                moe_router_topk=workload.moe_topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                moe_aux_loss_coeff=0.01)
+
+
 def _build_stage(config: BenchConfig):
+    from megatron.core import parallel_state
+
     from ..train import models
 
     if config.model == "gpt":
         # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
-        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1)
+        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1,
+                                         **_moe_options(config.workload))
         chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
                                          vp_stage=c if config.num_chunks > 1 else None)
                   for c in range(config.num_chunks)]
 
         def data(seed: int):
+            seed += 1_000_003 * parallel_state.get_data_parallel_rank()  # each replica its own tokens
             iterators = [models.synthetic_gpt_batches(seed=seed, micro_batch_size=config.micro_batch_size,
                                                       seq_length=config.seq_length, vocab_size=128)
                          for _ in chunks]
@@ -333,7 +351,8 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     def work() -> None:
         try:
             box["results"] = launch(bench_rank, world_size=world, tp=config.tensor_parallel,
-                                    pp=config.pipeline_size, timeout=config.timeout_s,
+                                    pp=config.pipeline_size, ep=config.workload.expert_parallel,
+                                    timeout=config.timeout_s,
                                     vpp=config.num_chunks if config.num_chunks > 1 else None,
                                     args=(config, progress_path, table_path))
         except BaseException as exc:  # re-raised in the caller's thread
@@ -398,7 +417,8 @@ def _run_in_this_process(config: BenchConfig) -> dict:
     dist.init_process_group(backend)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel, pipeline_model_parallel_size=config.pipeline_size,
-        virtual_pipeline_model_parallel_size=config.num_chunks if config.num_chunks > 1 else None)
+        virtual_pipeline_model_parallel_size=config.num_chunks if config.num_chunks > 1 else None,
+        expert_model_parallel_size=config.workload.expert_parallel)
     if config.variability_model().c50:
         raise ValueError("message-latency emulation needs the local launcher (it shares send times through "
                          "/dev/shm); under torchrun use --variability j0 or real hardware variability")

@@ -127,6 +127,7 @@ class _RankSpec:
     cp: int
     vpp: int | None
     init_megatron: bool
+    ep: int
     seed: int
     env: dict
     payload: bytes  # pickled (fn, args, kwargs): unpickled only after env is applied
@@ -145,12 +146,13 @@ def _rank_path(run_dir: str, rank: int, kind: str) -> str:
 
 
 def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int = 1,
-           vpp: int | None = None, timeout: float = 120.0, args: tuple = (),
+           vpp: int | None = None, ep: int = 1, timeout: float = 120.0, args: tuple = (),
            kwargs: dict | None = None, init_megatron: bool = True, seed: int = 1234,
            env: dict | None = None, start_method: str | None = None) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return values by rank.
 
     ``pp`` defaults to ``world_size // (tp * cp)``; data parallelism takes the rest.
+    ``ep``: expert_model_parallel_size (it divides the data x context parallel ranks).
     ``env`` adds to the children's environment (which already has OMP_NUM_THREADS=1).
     Raises ``DistributedTestFailure`` if any rank raises, dies or outlives ``timeout``
     seconds; raises ``ValueError`` for an impossible layout before starting anything.
@@ -158,6 +160,8 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
     describes.
     """
     pp = _check_layout(world_size=world_size, tp=tp, pp=pp, cp=cp, vpp=vpp)
+    if ep < 1 or (world_size // (tp * pp)) % ep:
+        raise ValueError(f"ep={ep} must divide the data x context parallel size {world_size // (tp * pp)}")
     if start_method not in (None, "spawn", "forkserver"):
         raise ValueError(f"start_method={start_method!r}: use 'spawn', 'forkserver' or None (automatic)")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))  # fail here, not in 4 children
@@ -179,7 +183,7 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
             launcher_alive = ctx.Pipe(duplex=False)
         for rank in range(world_size):
             spec = _RankSpec(rank=rank, world_size=world_size, parent_pid=os.getpid(),
-                             store_port=store.port, tp=tp, pp=pp, cp=cp, vpp=vpp,
+                             store_port=store.port, tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep,
                              init_megatron=init_megatron, seed=seed, env=child_env,
                              payload=payload, run_dir=run_dir, pg_timeout_s=timeout + 30)
             watch = None if launcher_alive is None else launcher_alive[0]
@@ -188,7 +192,7 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
             procs.append(proc)
         return _supervise(procs, run_dir=run_dir, timeout=timeout,
                           what=f"launch({_name(fn)}, world_size={world_size}, tp={tp}, "
-                               f"pp={pp}, cp={cp}, vpp={vpp})")
+                               f"pp={pp}, cp={cp}, vpp={vpp}" + (f", ep={ep})" if ep > 1 else ")"))
     finally:
         for proc in procs:  # only reached alive on an exception inside _supervise (e.g. ^C)
             if proc.exitcode is None:
@@ -463,7 +467,8 @@ def _setup(spec: _RankSpec) -> None:
         # No model_parallel_cuda_manual_seed: it needs CUDA (see megatron_rrfp.mcore.cpu).
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
-            virtual_pipeline_model_parallel_size=spec.vpp, context_parallel_size=spec.cp)
+            virtual_pipeline_model_parallel_size=spec.vpp, context_parallel_size=spec.cp,
+            **({"expert_model_parallel_size": spec.ep} if spec.ep > 1 else {}))
 
 
 def _teardown(spec: _RankSpec) -> None:

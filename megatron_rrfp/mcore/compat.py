@@ -142,10 +142,17 @@ class ScheduleGroups:
     collection: Optional[Any]  # what to hand to finalize_model_grads (None: Megatron's globals)
 
 
-def process_groups(*, pg_collection=None, p2p_communicator=None) -> ScheduleGroups:
+def process_groups(*, pg_collection=None, p2p_communicator=None, whole_stage: bool = False) -> ScheduleGroups:
     """The groups the schedule needs, from an explicit ProcessGroupCollection (0.15+) or
-    from megatron's parallel_state. Agreement spans tensor x context parallel ranks: both
-    run collectives inside every forward and backward."""
+    from megatron's parallel_state.
+
+    Agreement spans every rank of this pipeline stage that shares a collective inside a
+    forward or backward with this one: tensor x context parallel ranks (attention, TP
+    linears, the router's aux-loss reductions) and expert-tensor x expert parallel ranks
+    (MoE's token all-to-alls, which span data-parallel replicas). ``create_agreement_groups``
+    joins overlapping groups into one. ``whole_stage`` (the router's global aux loss reduces
+    over tensor x data x context parallel ranks): every rank of the stage.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -155,14 +162,34 @@ def process_groups(*, pg_collection=None, p2p_communicator=None) -> ScheduleGrou
         if tp_cp is None and cp.size() > 1:
             raise ValueError("megatron_rrfp: pg_collection with context parallelism must carry 'tp_cp' "
                              "(the tensor x context parallel group) for the TP agreement")
-        agreement = dist.get_process_group_ranks(tp_cp if tp_cp is not None else tp)
+        sharing = [tp_cp if tp_cp is not None else tp, getattr(pg_collection, "tp_ep", None)]
+        if whole_stage:
+            sharing.append(getattr(pg_collection, "tp_dp_cp", None))
     else:
         pp = p2p_communicator.pp_group if p2p_communicator is not None else \
             parallel_state.get_pipeline_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_group()
         cp = parallel_state.get_context_parallel_group()
-        agreement = dist.get_process_group_ranks(parallel_state.get_tensor_and_context_parallel_group())
-    return ScheduleGroups(pp=pp, tp=tp, cp=cp, agreement_ranks=sorted(agreement), collection=pg_collection)
+        sharing = [parallel_state.get_tensor_and_context_parallel_group(), _expert_group(parallel_state)]
+        if whole_stage:
+            sharing.append(parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+    agreement = sorted({r for group in sharing if group is not None for r in dist.get_process_group_ranks(group)})
+    return ScheduleGroups(pp=pp, tp=tp, cp=cp, agreement_ranks=agreement, collection=pg_collection)
+
+
+def _expert_group(parallel_state):
+    """Expert-tensor x expert parallel ranks (None where megatron did not create them)."""
+    try:
+        return parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+    except (AssertionError, AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def reduces_over_data_parallel(config) -> bool:
+    """The router's global aux loss all-reduces over data-parallel replicas in every MoE forward."""
+    kind = getattr(config, "moe_router_load_balancing_type", None) or ""
+    kinds = kind if isinstance(kind, (list, tuple)) else [kind]
+    return getattr(config, "num_moe_experts", None) is not None and any("global" in k for k in kinds)
 
 
 def pipeline_parallel_size(schedule_pg_collection=None) -> int:

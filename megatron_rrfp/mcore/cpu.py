@@ -28,8 +28,8 @@ import torch
 #                         TP all-gather / reduce-scatter outputs (gather_output=True, SP)
 #   tensor_parallel.random CudaRNGStatesTracker.fork(): swaps CUDA RNG states around
 #                         dropout; GPTModel enters it in attention and transformer block
-#   distributed/param_and_grad_buffer.py (0.19)  torch.cuda.current_stream().wait_event(...)
-#                         before every bucket reduction
+#   distributed/param_and_grad_buffer.py (0.19) torch.cuda.current_stream() in
+#                         start_grad_sync (waits for CUDA-graph wgrad events)
 # Rather than patch functions (their bodies change every release), each affected module
 # gets its own stand-in for its global name `torch`: identical except that "cuda" devices
 # become "cpu" and torch.cuda.current_device/synchronize are CPU-safe. Nothing outside
@@ -52,6 +52,14 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    # MoE (see the MoE section below): the alltoall dispatcher's D2H stream and event,
+    # router / expert parameters and aux-loss buffers on current_device(), the per-layer
+    # aux-loss tracker on "cuda"
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
 )
 # torch functions that take `device=`; only these are wrapped, so classes such as
 # torch.Tensor stay real classes (isinstance checks keep working).
@@ -87,6 +95,7 @@ def enable_cpu_reference_schedules() -> bool:
             module.torch = _CpuTorch()
             _redirected.append(name)
     _disable_cuda_rng_fork()
+    _define_missing_te_names()
     _enabled = True
     return True
 
@@ -137,33 +146,94 @@ class _CpuCuda(types.ModuleType):
     def synchronize(device=None):
         return None  # CPU ops and gloo waits are already synchronous
 
-    @staticmethod
-    def current_stream(device=None):
-        # 0.19's bucket groups wait on the current stream before reducing (CUDA-graph events)
-        return _CPU_STREAM
+    # MoE's alltoall dispatcher copies its split sizes to the host on a side stream and
+    # waits on an event before the all-to-all: on CPU every op has finished when it returns.
+    Stream = None  # set below (the classes refer to each other)
+    Event = None
 
     @staticmethod
-    def stream(stream=None):
+    def current_stream(device=None):
+        return _CPU_STREAM  # also 0.19's bucket finish_grad_sync, waiting on CUDA-graph wgrad events
+
+    @staticmethod
+    def stream(stream):
         return contextlib.nullcontext()
 
 
+class _CpuEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+
 class _CpuStream:
-    """The one 'stream' of a CPU host: work is already ordered, so waits are no-ops."""
+    def __init__(self, *args, **kwargs):
+        pass
 
-    def wait_event(self, event=None) -> None:
+    def wait_stream(self, stream):
         return None
 
-    def wait_stream(self, stream=None) -> None:
-        return None
-
-    def synchronize(self) -> None:
+    def wait_event(self, event):
         return None
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
 
 
+_CpuCuda.Stream, _CpuCuda.Event = _CpuStream, _CpuEvent
 _CPU_STREAM = _CpuStream()
+
+
+def _host_splits(splits):
+    """gloo's all_to_all_single takes split sizes as a list of ints (megatron passes numpy
+    arrays or tensors)."""
+    return None if splits is None else [int(n) for n in splits]
+
+
+class _CpuDistributed(types.ModuleType):
+    """Stand-in for torch.distributed: all-to-all split sizes as lists (what gloo accepts)."""
+
+    def __init__(self):
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return torch.distributed.all_to_all_single(output, input, output_split_sizes=_host_splits(output_split_sizes),
+                                                   input_split_sizes=_host_splits(input_split_sizes), group=group,
+                                                   async_op=async_op)
+
+
+def _define_missing_te_names() -> None:
+    """moe_utils imports te_general_gemm from Transformer Engine inside a try block and reads
+    the name unconditionally (the router's gating matmul checks ``is not None``); without TE
+    it is undefined. None selects megatron-core's torch path."""
+    try:
+        moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class _CpuTorch(types.ModuleType):
@@ -172,6 +242,7 @@ class _CpuTorch(types.ModuleType):
     def __init__(self):
         super().__init__("torch")
         self.cuda = _CpuCuda()
+        self.distributed = _CpuDistributed()
         for name in FACTORIES:
             if hasattr(torch, name):
                 setattr(self, name, cpu_factory(getattr(torch, name)))

@@ -45,15 +45,29 @@ _UNSUPPORTED_FLAGS = {
 }
 
 
+_UNSUPPORTED_MOE_FLAGS = {
+    "overlap_moe_expert_parallel_comm":
+        "it is Megatron's combined-1F1B schedule (one microbatch's all-to-alls overlapped with another's "
+        "compute inside one step); rrfp runs one task at a time: unset --overlap-moe-expert-parallel-comm",
+    "delay_wgrad_compute": "Megatron's MoE wgrad delay belongs to overlap_moe_expert_parallel_comm; rrfp splits the "
+                           "backward itself (hint bfw / zbh1 / default): unset --delay-wgrad-compute",
+    "moe_shared_expert_overlap": "the shared experts' side stream overlapping the dispatcher's all-to-all is not "
+                                 "verified under rrfp: unset --moe-shared-expert-overlap",
+}
+
+
 def _check_supported(config, models) -> None:
     for flag, fix in _UNSUPPORTED_FLAGS.items():
         if flag == "overlap_p2p_comm" and len(models) > 1:
             continue  # Megatron-LM's default for interleaving; RRFP's transport always overlaps
         if getattr(config, flag, None) not in (None, False):
             raise ValueError(f"megatron_rrfp: config.{flag}={getattr(config, flag)!r} is not supported: {fix}")
-    if compat.expert_parallel_size() > 1:
-        raise ValueError("megatron_rrfp: expert_model_parallel_size > 1 is not supported yet (expert all-to-alls "
-                         "span data-parallel ranks and would need agreement across them); use the 1f1b schedule")
+    if getattr(config, "num_moe_experts", None) is None:
+        return
+    for flag, fix in _UNSUPPORTED_MOE_FLAGS.items():
+        if getattr(config, flag, None) not in (None, False):
+            raise ValueError(f"megatron_rrfp: config.{flag}={getattr(config, flag)!r} is not supported with rrfp: "
+                             f"{fix}")
 
 
 @recovery.cleans_up_on_failure
@@ -92,7 +106,8 @@ def forward_backward_rrfp(
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
     config = compat.get_model_config(models[0])
     _check_supported(config, models)
-    groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
+    groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator,
+                                   whole_stage=compat.reduces_over_data_parallel(config))
     pp_ranks = dist.get_process_group_ranks(groups.pp)
     if len(pp_ranks) < 2:
         raise ValueError("megatron_rrfp: the pipeline-parallel size is 1; use Megatron's "

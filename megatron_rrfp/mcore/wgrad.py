@@ -76,9 +76,13 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     megatron-core's backward made in B (recorded, not run), into the same ``main_grad``.
     Untested here (no CUDA on CI; the self-check covers the non-fused path only).
 
+MoE: SequentialMLP experts are megatron-core linears and split like any other (their W has
+no collective: the all-to-alls stay in F and B).
+
 Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
 the input, i.e. a collective in W), GTP-sharded weights (0.19's ``gtp_remat_size > 1``: a
-reduce-scatter of the weight gradient), Megatron-FSDP parameters, and Transformer Engine
+reduce-scatter of the weight gradient), grouped-GEMM experts
+(GroupedMLP, TEGroupedMLP), Megatron-FSDP parameters, and Transformer Engine
 layers built with ``delay_wgrad_compute`` (see ``wgrad_te.py``). Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """
@@ -710,7 +714,13 @@ def _blocker(index: int, name: str, module, reason: str) -> str:
     return f"model[{index}].{name} ({type(module).__name__}): {reason}"
 
 
+_GROUPED_EXPERTS = ("GroupedMLP", "TEGroupedMLP")  # megatron-core's grouped-GEMM experts
+
+
 def _unsupported_reason(module) -> str:
+    if type(module).__name__ in _GROUPED_EXPERTS:
+        return ("grouped-GEMM experts compute their weight gradients inside one grouped GEMM backward, which "
+                "cannot be deferred; use moe_grouped_gemm=False (SequentialMLP: its linears are split)")
     if _is_patchable(module) and getattr(module, "sequence_parallel", False):
         return "sequence_parallel=True (W would need a TP all-gather of the input)"
     if _is_patchable(module) and getattr(module, "gtp_remat_size", 1) > 1:

@@ -74,14 +74,27 @@ def validate_rrfp_arguments(args: argparse.Namespace) -> Optional[RRFPConfig]:
     return config
 
 
+# Megatron-LM flags rrfp refuses (expert parallelism itself is supported: the agreement spans
+# every stage rank that shares an all-to-all, see runtime/agreement.py).
+REFUSED_FLAGS = {
+    "overlap_moe_expert_parallel_comm": "it is Megatron's combined-1F1B schedule (one microbatch's all-to-alls "
+                                        "overlapped with another's compute); rrfp runs one task at a time",
+    "delay_wgrad_compute": "it belongs to --overlap-moe-expert-parallel-comm; rrfp splits the backward itself "
+                           "(--rrfp-hint bfw / zbh1 / default)",
+    "moe_shared_expert_overlap": "the shared experts' side-stream overlap is not verified under rrfp",
+    "use_megatron_fsdp": "FSDP all-gathers parameters over data-parallel ranks inside every forward and backward, "
+                         "which rrfp's agreement does not span",
+    "use_torch_fsdp2": "FSDP all-gathers parameters over data-parallel ranks inside every forward and backward, "
+                       "which rrfp's agreement does not span",
+}
+
+
 def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:
     """What Megatron-LM's parsed flags already fix about the layout, checked before any
     process group exists (the schedule call checks again with the live groups)."""
-    expert = getattr(args, "expert_model_parallel_size", None) or 1
-    if expert > 1:
-        raise ValueError(f"--pipeline-schedule rrfp does not support --expert-model-parallel-size {expert} yet "
-                         "(expert all-to-alls span data-parallel ranks and would need agreement across them); "
-                         "use --pipeline-schedule 1f1b with expert parallelism")
+    for flag, why in REFUSED_FLAGS.items():
+        if getattr(args, flag, None) not in (None, False):
+            raise ValueError(f"--pipeline-schedule rrfp does not support --{flag.replace('_', '-')}: {why}")
     pp = getattr(args, "pipeline_model_parallel_size", None)
     if isinstance(pp, int) and pp >= 2:  # at PP=1 Megatron runs no pipeline schedule: the hint is unused
         try:

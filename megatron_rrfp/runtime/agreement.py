@@ -1,4 +1,16 @@
-"""Tensor-parallel agreement: every rank of a TP (x CP) group runs the same task next.
+"""Agreement: every rank of a stage that shares collectives with others runs the same task next.
+
+The group: tensor x context parallel ranks, joined with expert-tensor x expert parallel
+ranks under MoE (the token all-to-alls of one MoE layer span data-parallel replicas, i.e.
+ranks of different pipelines; ``create_agreement_groups`` joins overlapping groups). Why
+the exact task and not a cheaper rule across replicas: an all-to-all matches on layer order
+only, so replicas need only agree on (kind, chunk) — not on the microbatch. But TP ranks
+must run the same microbatch (same data, same shapes), the arbiter's state (in-flight
+count, buffer limit, hint position) would then differ per replica and with it every later
+choice, and a (kind, chunk) intersection still needs one exchange per decision: the cost
+is the same, only some bubbles shorter, and the digest check would weaken. So the whole
+group agrees on the task, exactly as TP ranks do; runtime/rounds.py gives the
+deadlock-freedom argument for it on NCCL.
 
 The paper proposes a microbatch, all-gathers the proposals and retries on disagreement —
 progress then depends on retry luck. Here each decision is ONE small all-gather of the
@@ -85,18 +97,39 @@ class GlooCollective:
 
 def create_agreement_groups(my_group_ranks: Sequence[int], *,
                             timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
-    """Collective over the world: one gloo group per distinct TP(xCP) group. Returns ours,
+    """Collective over the world: one gloo group per set of ranks that must agree. Ranks
+    whose offered sets overlap belong to one group (a TP group and an expert-parallel group
+    sharing a rank must dispatch one sequence: each collective orders both). Returns ours,
     or None when our group has a single rank (nothing to agree on)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [int(r) for r in my_group_ranks])
     mine = None
-    for ranks in sorted({tuple(sorted(g)) for g in gathered}):
+    for ranks in joined_groups(gathered):
         if len(ranks) < 2:
             continue
         group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
         if dist.get_rank() in ranks:
             mine = group
     return mine
+
+
+def joined_groups(groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The connected components of overlapping rank sets, each sorted, in a fixed order."""
+    parent: dict[int, int] = {}
+
+    def root(r: int) -> int:
+        while parent.setdefault(r, r) != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for ranks in groups:
+        for r in ranks:
+            parent[root(r)] = root(ranks[0])
+    components: dict[int, list[int]] = {}
+    for r in parent:
+        components.setdefault(root(r), []).append(r)
+    return sorted(tuple(sorted(c)) for c in components.values())
 
 
 @dataclass(slots=True)
@@ -304,4 +337,5 @@ class TPAgreement:
                       my_state=my_state, last_post_s=int(words[:, 2].max()) / 1e9)
 
 
-__all__ = ["Agreed", "AgreementError", "Collective", "GlooCollective", "TPAgreement", "create_agreement_groups"]
+__all__ = ["Agreed", "AgreementError", "Collective", "GlooCollective", "TPAgreement", "create_agreement_groups",
+           "joined_groups"]

@@ -451,7 +451,7 @@ class PipelineIteration:
         for src, count in counts.items():
             self.transport.expect(src, count)
         self._expected = counts
-        self._links = sorted(counts)
+        self._links = sorted(counts, key=self.stage_ranks.index)  # the same order on every agreeing rank
         self._arrivals = {src: [] for src in counts}
 
     # -- diagnostics -----------------------------------------------------------------

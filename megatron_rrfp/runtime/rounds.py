@@ -33,6 +33,20 @@ keeps itself at most ``max_tasks_ahead`` tasks ahead of the device by *declining
 (``can_dispatch``) while it keeps issuing rounds; only ``flush`` and stage 0's ring rule
 wait for rounds, and both ends of those are issued.
 
+Expert parallelism (MoE all-to-alls on NCCL, inside F and B): the expert-parallel group
+spans data-parallel replicas, i.e. ranks of *different pipelines*, so the agreement group is
+every rank of this stage that shares a collective with it (TP x CP joined with expert-TP x
+EP). All of them dispatch one task sequence and issue their rounds at the same points of it
+(the counters are agreed over the whole group, and replicas' messages follow one sequence
+because their producers run one sequence too). Identify, per stage, the group's ranks at
+the same position of that sequence: each collective (TP, CP, expert all-to-all) then lies
+at one such position, each round joins position i of stage s to position j of stage s+1 in
+the same way in every replica, and the graph of these positions is the graph of a single
+pipeline whose stages are the groups — the argument above applies to it unchanged. A
+task's own dependencies (its input message, the rounds before it) are the same in every
+replica, so no replica waits on something that only another replica's progress produces.
+The agreement itself runs on separate gloo groups, off the device queues.
+
 Out of scope of the argument: collectives that other pipelines issue at their own points
 (data-parallel gradient reductions overlapped with the backward); see the README.
 
@@ -144,7 +158,8 @@ class RoundTransport:
         self._on_message, self._on_error, self._wake = on_message, on_error, wake
         self.max_tasks_ahead = max_tasks_ahead
         me = stage_of[rank]
-        self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours))}
+        # By stage, so agreeing ranks of different pipelines (EP across replicas) list the same roles in one order.
+        self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours), key=stage_of.__getitem__)}
         # Stage 0 of an interleaved ring leads both its pairs: it never has rounds of both in flight.
         self._exclusive = sum(pair.leader for pair in self._pairs.values()) > 1
         self.state_words = len(self._pairs)

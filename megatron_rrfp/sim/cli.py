@@ -27,12 +27,34 @@ def add_workload_arguments(group) -> None:
                        help="stage-0 encoder time per image, units of f0")
     group.add_argument("--image-token-share", type=_VARIABILITY["image_token_share"].parse, default=0.0,
                        help="average share of decoder tokens that are image tokens (work scales with images)")
+    add_moe_arguments(group)
+
+
+_MOE_FIELDS = ("num_experts", "expert_parallel", "moe_topk", "moe_tokens", "moe_skew", "moe_concentration",
+               "moe_share", "a2a_time")
+
+
+def add_moe_arguments(group) -> None:
+    """Mixture of experts (variability.moe_load_factor): expert load per microbatch from a skewed,
+    drifting router; the slowest expert-parallel rank sets the layer's time."""
+    helps = {"num_experts": "MoE: experts per layer (0: dense)",
+             "expert_parallel": "MoE: EP degree; the replicas of a stage run in lock-step",
+             "moe_topk": "MoE: experts per token", "moe_tokens": "MoE: tokens per microbatch and replica",
+             "moe_skew": "MoE: Zipf exponent of each layer's expert popularity",
+             "moe_concentration": "MoE: Dirichlet concentration of the router's per-microbatch drift",
+             "moe_share": "MoE: share of a stage's compute in its experts",
+             "a2a_time": "MoE: all-to-all time per F and per B at balanced load, units of f0"}
+    defaults = Variability()
+    for name in _MOE_FIELDS:
+        group.add_argument(Variability.FLAGS[name], dest=name, type=_VARIABILITY[name].parse,
+                           default=getattr(defaults, name), help=helps[name] + " (default %(default)s)")
 
 
 def workload_from_args(args: argparse.Namespace) -> dict:
     return dict(straggler_stage=args.straggler_stage, straggler_factor=args.straggler_factor,
                 seq_len_sigma=args.seq_len_sigma, images_per_sample=args.images_per_sample,
-                encoder_time_per_image=args.encoder_time, image_token_share=args.image_token_share)
+                encoder_time_per_image=args.encoder_time, image_token_share=args.image_token_share,
+                **{name: getattr(args, name) for name in _MOE_FIELDS})
 
 
 def add_simulate_parser(sub) -> None:

@@ -44,6 +44,25 @@ class Variability:
     """Median message latency, in units of f0 (0.1 = the paper's reference)."""
     sigma_msg: float = 0.0
     """Log-normal sigma of message latency (1.5 = the paper's reference)."""
+    # Mixture of experts (expert_parallel > 1: the replicas of a stage run in lock-step,
+    # Megatron's schedule and RRFP's agreement alike; see moe_load_factor)
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense model, the fields below unused)."""
+    expert_parallel: int = 1
+    """EP degree: the experts are spread over this many ranks (data-parallel replicas)."""
+    moe_topk: int = 2
+    moe_tokens: int = 4096
+    """Tokens per microbatch and replica routed by one layer."""
+    moe_skew: float = 1.0
+    """Zipf exponent of each layer's expert popularity (0: uniform router)."""
+    moe_concentration: float = 50.0
+    """Dirichlet concentration of the per-microbatch drift of the router's probabilities
+    around the layer's popularity (large: stable routing; small: each microbatch its own hot experts)."""
+    moe_share: float = 0.5
+    """Share of a stage's compute in its experts (scales with the slowest EP rank's load)."""
+    a2a_time: float = 0.0
+    """All-to-all time per F (and per B) of a stage at a balanced load, in units of f0; it
+    scales with the slowest rank's load and stays in B when the backward is split."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "f0": bound(0, 1e6, low_open=True),
@@ -57,6 +76,9 @@ class Variability:
         "image_token_share": bound(0, 1, high_open=True),
         "c50": bound(0, 1e6),
         "sigma_msg": bound(0, 10),
+        "num_experts": integer(0, 1 << 16), "expert_parallel": integer(1, 1 << 16), "moe_topk": integer(1, 1 << 16),
+        "moe_tokens": integer(1, 1 << 30), "moe_skew": bound(0, 10), "moe_concentration": bound(0, 1e9, low_open=True),
+        "moe_share": bound(0, 1), "a2a_time": bound(0, 1e3),
     }
     """Accepted ranges: every duration drawn from them is finite (the simulator's event
     loop cannot advance on NaN or infinite times)."""
@@ -65,6 +87,9 @@ class Variability:
         "sigma_msg": "--sigma-msg", "straggler_stage": "--straggler-stage", "straggler_factor": "--straggler-factor",
         "seq_len_sigma": "--seq-len-sigma", "images_per_sample": "--images-per-sample",
         "encoder_time_per_image": "--encoder-time", "image_token_share": "--image-token-share",
+        "num_experts": "--num-experts", "expert_parallel": "--expert-model-parallel-size",
+        "moe_topk": "--moe-router-topk", "moe_tokens": "--moe-tokens", "moe_skew": "--moe-skew",
+        "moe_concentration": "--moe-concentration", "moe_share": "--moe-share", "a2a_time": "--a2a-time",
     }
     """The command-line flag of each field (``simulate``, ``bench``)."""
 
@@ -73,6 +98,9 @@ class Variability:
 
     def check_layout(self, num_stages: int) -> None:
         """The fields that depend on the pipeline: ValueError naming the flag."""
+        if self.num_experts and (self.num_experts % self.expert_parallel or self.moe_topk > self.num_experts):
+            raise ValueError(f"--num-experts {self.num_experts} must be a multiple of --expert-model-parallel-size "
+                             f"{self.expert_parallel} and >= --moe-router-topk {self.moe_topk}")
         if self.straggler_stage is not None and not 0 <= self.straggler_stage < num_stages:
             raise ValueError(f"--straggler-stage must be an integer in [0, {num_stages - 1}] (a stage of the "
                              f"{num_stages}-stage pipeline), got {self.straggler_stage}")
@@ -97,12 +125,41 @@ class Realization:
     backward_total: list
     activation_latency: list
     gradient_latency: list
+    backward_comm: Optional[list] = None
+    """Part of backward_total that is communication (MoE all-to-alls): it stays in B when split."""
 
     def duration(self, stage: int, task: Task, split_backward: bool) -> float:
         if task.kind is Kind.F:
             return self.forward[stage][task.chunk][task.microbatch]
         full = self.backward_total[stage][task.chunk][task.microbatch]
-        return full / 2 if split_backward else full
+        if not split_backward:
+            return full
+        comm = self.backward_comm[stage][task.chunk][task.microbatch] if self.backward_comm else 0.0
+        return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0)
+
+
+def moe_load_factor(v: Variability, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Per task: the slowest expert-parallel rank's token load over the balanced load.
+
+    Each (stage, chunk) is a layer with its own expert popularity: Zipf(moe_skew) over the
+    experts in a random order. Per microbatch the router's probabilities drift:
+    p ~ Dirichlet(moe_concentration * popularity). Every replica routes moe_tokens x topk
+    assignments, multinomial over p; EP rank r serves experts [r E/EP, (r+1) E/EP) for all
+    replicas (the all-to-all), so its load is the sum of their counts there. The layer waits
+    for the slowest rank: factor = max_r load_r / (moe_tokens x topk), 1.0 when balanced.
+    """
+    e, ep = v.num_experts, v.expert_parallel
+    per_rank = e // ep
+    factor = np.empty(shape)
+    base = (np.arange(e) + 1.0) ** -v.moe_skew
+    for index in np.ndindex(shape[:-1]):
+        popularity = rng.permutation(base / base.sum())
+        for mb in range(shape[-1]):
+            p = rng.dirichlet(v.moe_concentration * popularity)
+            counts = rng.multinomial(v.moe_tokens * v.moe_topk, p, size=ep).sum(axis=0)  # every replica's tokens
+            load = counts.reshape(ep, per_rank).sum(axis=1)
+            factor[(*index, mb)] = load.max() / (v.moe_tokens * v.moe_topk)
+    return factor
 
 
 def sample_realization(variability: Variability, topology: Topology, num_microbatches: int,
@@ -134,4 +191,23 @@ def sample_realization(variability: Variability, topology: Topology, num_microba
         forward[0, 0] += encoder
         backward[0, 0] += v.backward_ratio * encoder
     latency = (lambda: v.c50 * v.f0 * rng.lognormal(0.0, v.sigma_msg, shape)) if v.c50 else (lambda: np.zeros(shape))
-    return Realization(forward.tolist(), backward.tolist(), latency().tolist(), latency().tolist())
+    comm = None
+    if v.num_experts:
+        moe = np.random.default_rng([seed, 1])  # its own stream: the dense draws above stay as they were
+        load = moe_load_factor(v, shape, moe)
+        if v.expert_parallel > 1 and v.sigma_compute:  # lock-step replicas: a task waits for the slowest one
+            for _ in range(v.expert_parallel - 1):
+                forward = np.maximum(forward, per_chunk * moe.lognormal(0.0, v.sigma_compute, shape))
+                backward = np.maximum(backward, v.backward_ratio * per_chunk * moe.lognormal(0.0, v.sigma_compute,
+                                                                                               shape))
+        forward = forward * ((1 - v.moe_share) + v.moe_share * load)
+        backward = backward * ((1 - v.moe_share) + v.moe_share * load)
+        comm = v.a2a_time * per_chunk * load
+        forward = forward + comm
+        backward = backward + comm
+        comm = comm.tolist()
+    lat_a, lat_g = latency(), latency()
+    if v.num_experts and v.expert_parallel > 1 and v.c50:  # an input is common once every replica has it
+        for _ in range(v.expert_parallel - 1):
+            lat_a, lat_g = np.maximum(lat_a, latency()), np.maximum(lat_g, latency())
+    return Realization(forward.tolist(), backward.tolist(), lat_a.tolist(), lat_g.tolist(), comm)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from . import models
+from .config import moe_options
 from .recipes import multimodal
 
 _SPEC_FIELDS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "image_size", "patch_size",
@@ -44,7 +45,7 @@ def transformer_config(cfg):
         return multimodal.multimodal_config(**sizes)
     if cfg.bf16:  # Megatron-LM's --bf16: bf16 weights and p2p, fp32 main weights in the optimizer
         sizes.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    return models.tiny_gpt_config(**sizes)
+    return models.tiny_gpt_config(**sizes, **moe_options(cfg))
 
 
 def build_model(cfg, device: torch.device):

@@ -60,6 +60,15 @@ class TrainConfig:
     micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
     global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
                                    "parallelism")
+    # mixture of experts (Megatron-LM's flags; see moe_options)
+    num_experts: Optional[int] = _flag(None, "MoE: experts per MLP layer (SequentialMLP, local spec); default: dense",
+                                       "mixture of experts", type=int)
+    expert_model_parallel_size: int = _flag(1, "MoE: expert-parallel degree (divides the data-parallel size and "
+                                            "--num-experts)", "mixture of experts")
+    moe_router_topk: int = _flag(2, "MoE: experts per token", "mixture of experts")
+    moe_token_dispatcher_type: str = _flag("allgather", "MoE: token dispatcher", "mixture of experts",
+                                           choices=("allgather", "alltoall"))
+    moe_aux_loss_coeff: float = _flag(0.0, "MoE: load-balancing aux-loss coefficient", "mixture of experts")
     # optimisation
     train_iters: int = _flag(20, "iterations to train (the cosine decay spans them)", "optimizer")
     lr: float = _flag(1e-3, "peak learning rate (Adam)", "optimizer")
@@ -134,6 +143,8 @@ BOUNDS: dict[str, Bound] = {
                                          "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
                                          "max_images", "save_interval")},
     "images_per_sample": bound(0, 1e3),
+    "num_experts": integer(1, 1 << 16, optional=True), "expert_model_parallel_size": _SIZE,
+    "moe_router_topk": _SIZE, "moe_aux_loss_coeff": bound(0, 1e3),
     "train_iters": integer(1, 10**9),
     "lr": bound(0, 1e3), "min_lr": bound(0, 1e3), "lr_warmup_iters": integer(0, 10**9),
     "weight_decay": bound(0, 1e3), "clip_grad": bound(0, 1e9),
@@ -238,6 +249,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "--model multimodal needs megatron_rrfp.train.recipes.multimodal, which this installation lacks")
     if c.model == "multimodal":
         _check_multimodal(c)
+    _check_moe(c)
     if world_size is not None:
         check_layout(c, world_size)
 
@@ -248,6 +260,9 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}")
     dp = world_size // (tp * pp)
+    _require(dp % c.expert_model_parallel_size == 0,
+             f"--expert-model-parallel-size {c.expert_model_parallel_size} does not divide the data-parallel size {dp} "
+             f"(world size {world_size} / TP x PP)")
     _require(c.global_batch_size % (c.micro_batch_size * dp) == 0,
              f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size x DP = "
              f"{c.micro_batch_size} x {dp}")
@@ -282,6 +297,26 @@ def _check_multimodal(c: TrainConfig) -> None:
     _require(spec.vision_num_attention_heads % c.tensor_model_parallel_size == 0,
              f"--vision-num-attention-heads {spec.vision_num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {c.tensor_model_parallel_size}")
+
+
+def _check_moe(c: TrainConfig) -> None:
+    ep, experts = c.expert_model_parallel_size, c.num_experts
+    if experts is None:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    _require(c.model == "gpt", "--num-experts is offered for --model gpt")
+    _require(experts % ep == 0, f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
+    _require(c.moe_router_topk <= experts, f"--moe-router-topk {c.moe_router_topk} exceeds --num-experts {experts}")
+
+
+def moe_options(c: TrainConfig) -> dict:
+    """TransformerConfig fields for MoE (empty for a dense model); grouped GEMM off (it needs
+    the grouped_gemm CUDA kernels, and the split backward covers SequentialMLP's linears)."""
+    if c.num_experts is None:
+        return {}
+    return dict(num_moe_experts=c.num_experts, expert_model_parallel_size=c.expert_model_parallel_size,
+                moe_router_topk=c.moe_router_topk, moe_token_dispatcher_type=c.moe_token_dispatcher_type,
+                moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_grouped_gemm=False)
 
 
 def _require(condition: bool, message: str) -> None:

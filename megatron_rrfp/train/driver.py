@@ -156,7 +156,8 @@ def setup(cfg: TrainConfig):
 
     device = distenv.init_process_group(env, cpu=cfg.cpu, timeout_s=60 * cfg.distributed_timeout_minutes)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                                             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
+                                             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                                             expert_model_parallel_size=cfg.expert_model_parallel_size)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -106,7 +106,8 @@ def build_gpt_stage(config: TransformerConfig, *, vocab_size: int, seq_length: i
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stage_seed(seed, pp_rank, vp_stage))
-        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+        return GPTModel(config=config, transformer_layer_spec=spec,
                         vocab_size=vocab_size, max_sequence_length=seq_length,
                         pre_process=pre_process, post_process=post_process,
                         share_embeddings_and_output_weights=False, vp_stage=vp_stage)

@@ -21,8 +21,10 @@ from . import mlp
 @dataclass(kw_only=True, slots=True)
 class Case:
     model: str = "gpt"
-    """gpt (megatron-core GPTModel, local spec), mlp (column/row-parallel MLP stages) or
-    multimodal (recipes.multimodal: ViT + projector on stage 0, GPT decoder)."""
+    """gpt (megatron-core GPTModel, local spec), mlp (column/row-parallel MLP stages),
+    multimodal (recipes.multimodal: ViT + projector on stage 0, GPT decoder) or moe (GPTModel
+    with 4 experts, top-2, alltoall dispatcher, SequentialMLP, aux loss; each data-parallel
+    replica draws its own data, so the experts' loads and all-to-all splits differ)."""
     num_microbatches: int = 8
     iterations: int = 1
     forward_only: bool = False
@@ -64,9 +66,13 @@ def _build(case: Case, data_parallel: int):
 
     from megatron_rrfp.train import models
 
-    config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1]) if case.model == "gpt" \
-        else models.tiny_gpt_config()
-    if case.model == "gpt":
+    if case.model == "moe":
+        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1], **moe_options())
+    elif case.model == "gpt":
+        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1])
+    else:
+        config = models.tiny_gpt_config()
+    if case.model in ("gpt", "moe"):
         stage = models.build_gpt_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
     elif case.model == "multimodal":
         from megatron_rrfp.train.recipes import multimodal
@@ -83,6 +89,14 @@ def _build(case: Case, data_parallel: int):
         config.no_sync_func = stage.no_sync
         config.finalize_model_grads_func = finalize_model_grads
     return stage
+
+
+def moe_options() -> dict:
+    from megatron.core import parallel_state
+
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -110,7 +124,11 @@ def _sgd_step(model, lr: float) -> None:
 def _data(case: Case, iteration: int):
     from megatron_rrfp.train import models
 
-    if case.model == "gpt":
+    if case.model in ("gpt", "moe"):
+        if case.model == "moe":
+            from megatron.core import parallel_state
+
+            iteration += 1000 * parallel_state.get_data_parallel_rank()
         return models.synthetic_gpt_batches(seed=100 + iteration, micro_batch_size=case.micro_batch_size,
                                             seq_length=case.seq_length, vocab_size=case.vocab_size)
     if case.model == "multimodal":  # images per sample ~ Poisson(1): encoder work varies per micro-batch
@@ -153,7 +171,7 @@ def compare_with_megatron(case: Case) -> dict:
     rank = dist.get_rank()
     data_parallel = parallel_state.get_data_parallel_world_size()
     reference, candidate = _build(case, data_parallel), _build(case, data_parallel)
-    forward_step = models.gpt_forward_step if case.model == "gpt" else mlp.mlp_forward_step
+    forward_step = models.gpt_forward_step if case.model in ("gpt", "moe") else mlp.mlp_forward_step
     if case.model == "multimodal":
         from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
@@ -165,7 +183,7 @@ def compare_with_megatron(case: Case) -> dict:
     topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
     loss_err = grad_err = 0.0
-    losses_ref, losses_rrfp, orders, wgrad_bytes = [], [], [], 0
+    losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds = [], [], [], 0, 0
     for iteration in range(case.iterations):
         results = []
         for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
@@ -182,6 +200,7 @@ def compare_with_megatron(case: Case) -> dict:
         (ref_losses, ref_grads), (our_losses, our_grads) = results
         report = last_iteration_report()
         orders.append(report.order_string)
+        agree_rounds += report.agree_rounds
         wgrad_bytes = max(wgrad_bytes, report.peak_deferred_wgrad_bytes)
         if len(ref_losses) != len(our_losses):
             raise AssertionError(f"rank {rank}: {len(our_losses)} losses vs megatron's {len(ref_losses)}")
@@ -203,7 +222,7 @@ def compare_with_megatron(case: Case) -> dict:
         "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
-        "peak_deferred_wgrad_bytes": wgrad_bytes,
+        "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds,
     }
 
 

@@ -10,7 +10,8 @@ import random
 
 
 def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
-                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto") -> dict:
+                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto",
+                        hint: str = "default") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
@@ -25,7 +26,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     from megatron_rrfp.train import models
 
     from . import mlp
-    from .equivalence import _grads, _relative, _sgd_step, _zero_grads
+    from .equivalence import _grads, _relative, _sgd_step, _zero_grads, moe_options
 
     enable_cpu_reference_schedules()
     rank = dist.get_rank()
@@ -34,25 +35,27 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     seq, mbs, vocab = 16, 2, 64
 
     def build(reference: bool):
-        config = models.tiny_gpt_config(num_layers=pp * chunks)
+        config = models.tiny_gpt_config(num_layers=pp * chunks, **(moe_options() if model == "moe" else {}))
         if reference:
             config.batch_p2p_comm = False
-        if model == "gpt":
+        if model in ("gpt", "moe"):
             return [models.build_gpt_stage(config, vocab_size=vocab, seq_length=seq, seed=5, vp_stage=c)
                     for c in range(chunks)]
         return [mlp.build_mlp_stage(config, seed=5, vp_stage=c) for c in range(chunks)]
 
     def data(iteration: int):
-        if model == "gpt":
+        if model == "moe":  # each data-parallel replica its own data: the experts' loads differ
+            iteration += 1000 * parallel_state.get_data_parallel_rank()
+        if model in ("gpt", "moe"):
             return [models.synthetic_gpt_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                                  vocab_size=vocab) for _ in range(chunks)]
         return [mlp.synthetic_mlp_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                              hidden_size=32) for _ in range(chunks)]
 
-    step = models.gpt_forward_step if model == "gpt" else mlp.mlp_forward_step
+    step = models.gpt_forward_step if model in ("gpt", "moe") else mlp.mlp_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
-    options = RRFPConfig(timeout_s=60, transport=transport)
+    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint)
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
@@ -92,3 +95,8 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
 def compare_interleaved_transports(transports: tuple[str, ...], **kwargs) -> list[dict]:
     """``compare_interleaved`` once per transport, in one launch."""
     return [compare_interleaved(transport=transport, **kwargs) for transport in transports]
+
+
+def compare_interleaved_cases(cases: list[dict]) -> list[dict]:
+    """``compare_interleaved(**case)`` for each case, in one launch."""
+    return [compare_interleaved(**case) for case in cases]
