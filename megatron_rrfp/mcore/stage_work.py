@@ -131,7 +131,7 @@ def weight_grad_store(models, memory=None):
     from . import wgrad
 
     wgrad.install(models)
-    return wgrad.WeightGradStore(memory=memory)
+    return wgrad.WeightGradStore(memory=memory, models=models)
 
 
 _SPLIT_BLOCKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first model chunk -> some stage can't

@@ -69,9 +69,9 @@ from megatron.core.tensor_parallel import layers as _layers
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .wgrad_te import te_delay_wgrad_reason
+from .wgrad_te import TeSplit, is_te_module, te_split_reason
 
-__all__ = ["WeightGradStore", "deferral_blockers", "install"]
+__all__ = ["WeightGradStore", "deferral_blockers", "deferred_parameters", "install"]
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,13 @@ class WeightGradStore:
     run the backward itself; the active key is process-global for that reason).
     """
 
-    def __init__(self, *, max_pending: Optional[int] = None, memory=None):
+    def __init__(self, *, max_pending: Optional[int] = None, memory=None, models=None):
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
         self.max_pending = max_pending
         self.memory = memory
+        # Transformer Engine modules of ``models`` (installed): their own store defers, driven from here.
+        self._te = TeSplit(_te_modules(models or []), ddp_of=_ddp_of, hold=self._hold)
         self._pending: dict[Key, _Pending] = {}  # in the order B ran
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
@@ -162,18 +164,23 @@ class WeightGradStore:
             return
         self._pending[key] = _Pending()
         _active = (self, key)
+        self._te.begin(key)
+        ok = False
         try:
             yield
+            ok = True
         except BaseException:
             self._drop(key)  # a half-run backward leaves nothing usable behind
             raise
         finally:
             _active = None
+            self._te.end(key, ok=ok)
 
-    def run(self, key: Key) -> None:
+    def run(self, key: Key, *, after_weight=None) -> None:
         """Compute the stashed weight gradients of ``key`` and accumulate them where the
         unsplit backward would have (param.main_grad via DDP's hook or the fused kernel,
-        else param.grad). Releases the stashed tensors."""
+        else param.grad). Releases the stashed tensors. ``after_weight(param)`` is called
+        as each weight's gradient of this key is complete (overlapped DP reductions)."""
         key = _check_key(key)
         if key in self._inline:
             self._inline.discard(key)
@@ -186,11 +193,15 @@ class WeightGradStore:
             ddp = _ddp_of(work.weight)
             if ddp is not None:
                 _check_sync_off(ddp, work.weight, f"W{key}")
+        self._te.check(key)
         entry = self._pending.pop(key)
         self._bytes -= entry.nbytes
         with torch.no_grad():
             for work in entry.works:
                 _run_work(work, key)
+                if after_weight is not None:
+                    after_weight(work.weight)
+            self._te.run(key, after_weight)
         self._release(entry)
 
     def pending(self) -> list[Key]:
@@ -204,18 +215,22 @@ class WeightGradStore:
         return self._bytes
 
     def _stash(self, key: Key, work: _Work) -> None:
-        entry = self._pending[key]
-        entry.works.append(work)
+        self._pending[key].works.append(work)
         for tensor in (work.input, work.grad_output):
-            storage = tensor.untyped_storage()
-            ident = (tensor.device, storage.data_ptr())
-            if ident not in entry.storages:
-                entry.storages.add(ident)
-                entry.nbytes += storage.nbytes()
-                self._bytes += storage.nbytes()
-                entry.held.append(tensor)
-                if self.memory is not None:
-                    self.memory.hold(tensor)
+            self._hold(key, tensor)
+
+    def _hold(self, key: Key, tensor: torch.Tensor) -> None:
+        """Count what W of ``key`` keeps alive (each storage once per key)."""
+        entry = self._pending[key]
+        storage = tensor.untyped_storage()
+        ident = (tensor.device, storage.data_ptr())
+        if ident not in entry.storages:
+            entry.storages.add(ident)
+            entry.nbytes += storage.nbytes()
+            self._bytes += storage.nbytes()
+            entry.held.append(tensor)
+            if self.memory is not None:
+                self.memory.hold(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
 
     def _drop(self, key: Key) -> None:
@@ -471,12 +486,14 @@ def deferral_blockers(models: list[torch.nn.Module]) -> list[str]:
     """Why splitting the backward would not work or not pay (one line each), changing
     nothing: layers ``install`` refuses, or no megatron-core linear to defer at all (e.g.
     only Transformer Engine layers). The default policy splits the backward only if empty."""
+    _note_ddps(models)
     modules = [(index, name, module) for index, model in enumerate(models) for name, module in model.named_modules()]
     blockers = [_blocker(index, name, module, reason) for index, name, module in modules
                 if (reason := _unsupported_reason(module))]
-    if not any(_is_patchable(module) and _trainable_weight(module) is not None for _, _, module in modules):
-        blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear whose weight "
-                        "gradient could be deferred")
+    if not any((_is_patchable(module) and _trainable_weight(module) is not None) or is_te_module(module)
+               for _, _, module in modules):
+        blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear or Transformer Engine "
+                        "module whose weight gradient could be deferred")
     return blockers
 
 
@@ -487,7 +504,41 @@ def _blocker(index: int, name: str, module, reason: str) -> str:
 def _unsupported_reason(module) -> str:
     if _is_patchable(module) and getattr(module, "sequence_parallel", False):
         return "sequence_parallel=True (W would need a TP all-gather of the input)"
-    return te_delay_wgrad_reason(module)
+    if not is_te_module(module):
+        return ""
+    ddps = [d for d in map(_ddp_of, module.parameters(recurse=False)) if d is not None]
+    overlap = any(getattr(d.ddp_config, "overlap_grad_reduce", False) for d in ddps)
+    return te_split_reason(module, overlap_grad_reduce=overlap)
+
+
+def _note_ddps(models) -> None:
+    """Remember which megatron DDP owns each parameter (W and the refusals need it)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, DistributedDataParallel):
+                for param in module.module.parameters():
+                    _DDP_OF[param] = weakref.ref(module)
+
+
+def _te_modules(models) -> list:
+    """(name, module) of the Transformer Engine modules ``install`` accepted, in model order."""
+    return [(f"model[{index}].{name}", module) for index, model in enumerate(models)
+            for name, module in model.named_modules() if is_te_module(module) and not _unsupported_reason(module)]
+
+
+def deferred_parameters(models) -> set:
+    """Parameters whose gradient W completes (installed linears' weights, TE modules' own
+    parameters); every other trainable parameter is complete after its B."""
+    out = set()
+    for model in models:
+        for module in model.modules():
+            if _is_installed(module) and _trainable_weight(module) is not None:
+                out.add(module.weight)
+            elif is_te_module(module) and not _unsupported_reason(module):
+                out.update(p for p in module.parameters(recurse=False) if p.requires_grad)
+    return out
 
 
 def _trainable_weight(module):
