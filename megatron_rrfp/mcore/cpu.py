@@ -131,6 +131,20 @@ class _CpuCuda(types.ModuleType):
     def synchronize(device=None):
         return None  # CPU ops and gloo waits are already synchronous
 
+    @staticmethod
+    def current_stream(device=None):
+        return _CpuStream()  # 0.19's start_grad_sync waits on CUDA-graph events on it
+
+
+class _CpuStream:
+    """CPU work is ordered already: waits are no-ops."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
 
 class _CpuTorch(types.ModuleType):
     """Stand-in for the module `torch` inside one megatron module (see section comment)."""
