@@ -40,16 +40,22 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     active over every B and every W of the iteration and leave it only after the last
     W**; ``finalize_model_grads`` (``finish_grad_sync``) then launches and finishes the
     reduction — with overlap_grad_reduce DDP does so because no readiness was ever
-    counted. Reductions are thus not overlapped with backward compute. With
+    counted. With overlap_grad_reduce the executor counts readiness itself
+    (``grad_sync.SplitReadiness``: each parameter once, when its last W or B of the
+    iteration ran; ``run(key, after_weight=...)`` reports weights as they complete), so
+    buckets reduce while the remaining W/B compute runs, not after the last W. With
     overlap_grad_reduce this module raises if B or W runs with sync enabled; without
     it, sync during W is harmless. (Megatron's schedules, and rrfp's BF path, enable
     sync before the *last backward*; with the split that point is after the last W.)
   * ``gradient_accumulation_fusion`` (CUDA + APEX): W uses megatron-core's fused kernel
     into ``main_grad``. Untested here (no CUDA on CI).
 
-Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
-the input, i.e. a collective in W), Megatron-FSDP parameters, and Transformer Engine
-layers built with ``delay_wgrad_compute`` (see ``wgrad_te.py``). Layers
+Transformer Engine modules (``models`` given to the store): their own deferral, driven
+from ``deferring`` / ``run`` (``wgrad_te.py``).
+
+Not supported (explicit errors): sequence parallelism for megatron-core's linears (W would
+need the TP all-gather of the input, i.e. a collective in W), Megatron-FSDP parameters, and
+the TE cases ``wgrad_te.te_split_reason`` names. Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """
 from __future__ import annotations
