@@ -46,6 +46,8 @@ class Case:
     """config.calculate_per_token_loss: finalize_model_grads divides by the total token count."""
     transport: str = "auto"
     """RRFPConfig.transport: 'rounds' runs the device (NCCL) protocol over gloo."""
+    sequence_parallel: bool = False
+    """gpt only: megatron's sequence parallelism (TP > 1), torch norms marked sequence_parallel."""
     overlap_grad_reduce: bool = False
     use_distributed_optimizer: bool = False
     bucket_size: Optional[int] = None
@@ -68,7 +70,8 @@ def _build(case: Case, data_parallel: int):
 
     from megatron_rrfp.train import models
 
-    config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1]) if case.model == "gpt" \
+    config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1],
+                                    sequence_parallel=case.sequence_parallel) if case.model == "gpt" \
         else models.tiny_gpt_config()
     if case.model == "gpt":
         stage = models.build_gpt_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
