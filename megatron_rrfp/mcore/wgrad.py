@@ -21,9 +21,37 @@ What stays in B (computed by autograd during the backward, exactly as before): b
 embeddings, any parameter of other modules (``wgrad_coverage.coverage(models)`` lists both).
 A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
-Exactness: ``run(key)`` computes the same GEMM as megatron-core's unsplit backward on the
-same saved tensors and accumulates it where the unsplit backward would have
-(``_accumulate``); outside ``deferring`` the layers run megatron-core's own backward.
+How (B wraps megatron-core, it does not re-implement it): while a ``deferring`` is
+active, an installed linear's backward *is* megatron-core's own
+``LinearWithGradAccumulationAndAsyncCommunication.backward``, called with its arguments
+and returning its tuple (so arguments a release adds pass through), with only the weight
+gradient GEMM intercepted. For the duration of that call the module
+``megatron.core.tensor_parallel.layers`` sees two replaced names:
+``prepare_input_tensors_for_wgrad_compute`` calls the real one and records the prepared
+(grad_output, total_input) — W's work — returning total_input wrapped so that the GEMM
+``grad_output.t().matmul(total_input)`` on exactly those tensors is answered with a
+discarded placeholder instead of being computed; with gradient accumulation fusion,
+``fused_weight_gradient_mlp_cuda`` records its call instead of running the kernel.
+Everything else — the input gradient, its TP all-reduce, the bias gradient — is
+megatron-core's code; B then replaces element 1 of the tuple (the weight gradient) with
+``None`` (a zero under DDP overlap_grad_reduce, see below). The names are patched under a
+lock and restored in a ``finally``; only the patching thread's calls are intercepted
+(autograd may run the backward on its device thread). Under sequence parallelism the
+recorded total_input is the TP all-gathered input (a view of megatron's global memory
+buffer): that interception point is where SP support would keep or regather it.
+
+Exactness: ``run(key)`` runs the intercepted GEMM (or fused call) on the same tensors,
+under the forward's autocast state, and accumulates it where the unsplit backward would
+have (``_accumulate``); outside ``deferring`` the layers run megatron-core's own backward.
+A backward that does not take the intercepted path keeps megatron-core's own weight
+gradient (not deferred, still exact). ``install`` and ``deferral_blockers`` run
+``split_self_check`` once per process: one tiny split and unsplit backward through
+megatron-core's linear function (no collectives; with and without bias) whose output,
+input, weight and bias gradients must be bit-identical, and whose weight gradient must
+really have been deferred. If not (a megatron-core release the interception no longer
+fits), ``deferral_blockers`` returns the reason, naming the version — the default policy
+then runs unsplit and says so in one line — and ``install`` raises NotImplementedError
+(an explicit split hint is refused before its first iteration, ``stage_work``).
 
 Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install``):
   * Unsplit, DDP's per-parameter hook (on the AccumulateGrad node) adds ``param.grad``
@@ -44,11 +72,13 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     overlap_grad_reduce this module raises if B or W runs with sync enabled; without
     it, sync during W is harmless. (Megatron's schedules, and rrfp's BF path, enable
     sync before the *last backward*; with the split that point is after the last W.)
-  * ``gradient_accumulation_fusion`` (CUDA + APEX): W uses megatron-core's fused kernel
-    into ``main_grad``. Untested here (no CUDA on CI).
+  * ``gradient_accumulation_fusion`` (CUDA + APEX): W makes the fused-kernel call
+    megatron-core's backward made in B (recorded, not run), into the same ``main_grad``.
+    Untested here (no CUDA on CI; the self-check covers the non-fused path only).
 
 Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
-the input, i.e. a collective in W), Megatron-FSDP parameters, and Transformer Engine
+the input, i.e. a collective in W), GTP-sharded weights (0.19's ``gtp_remat_size > 1``: a
+reduce-scatter of the weight gradient), Megatron-FSDP parameters, and Transformer Engine
 layers built with ``delay_wgrad_compute`` (see ``wgrad_te.py``). Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """
@@ -72,7 +102,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .compat import MEGATRON_CORE_VERSION
 from .wgrad_te import te_delay_wgrad_reason
 
-__all__ = ["WeightGradStore", "deferral_blockers", "install"]
+__all__ = ["WeightGradStore", "deferral_blockers", "install", "split_self_check"]
 
 log = logging.getLogger(__name__)
 
