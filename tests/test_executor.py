@@ -107,6 +107,20 @@ def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_me
 
 
 @pytest.mark.timeout(400)
+def test_tp2_pp2_sequence_parallel_split_equals_megatron():
+    """Megatron's sequence parallelism (norms marked sequence_parallel on CPU) with the B/W
+    split active, default policy and ZB-H1 read readiness-first, against Megatron's 1F1B."""
+    cases = [Case(model="gpt", iterations=2, hint=hint, buffer_limit="1x", sequence_parallel=True)
+             for hint in ("default", "zbh1")]
+    results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
+    _check(results, expect_reordering=False)
+    for rank in results:
+        for r in rank:
+            assert any("W" in order for order in r["orders"]), r["orders"]  # the split was active
+            assert r["peak_deferred_wgrad_bytes"] > 0
+
+
+@pytest.mark.timeout(400)
 def test_stress_hundreds_of_delay_patterns_tp2_pp2():
     results = launch(stress, world_size=4, tp=2, pp=2, timeout=360, args=(200,), kwargs={"late_rank": 0})
     for r in results:
