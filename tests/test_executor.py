@@ -82,6 +82,45 @@ def test_dp2_pp2_with_megatron_ddp_and_finalize():
 
 
 @pytest.mark.timeout(400)
+def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_megatron():
+    """overlap_grad_reduce (+ distributed optimizer) with the default policy's B/W split:
+    gradients equal Megatron's, and from the second iteration on (DDP's golden counts are
+    recorded in the first, as in Megatron) every bucket launches inside the schedule (during
+    the last W, weight by weight, or after the last B), none from finish_grad_sync."""
+    cases = [Case(model="gpt", iterations=3, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
+                  bucket_size=2000),
+             Case(model="gpt", iterations=2, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
+                  use_distributed_optimizer=True, bucket_size=2000)]
+    results = launch(run_cases, world_size=4, pp=2, timeout=360, args=(cases,))
+    _check(results, expect_reordering=False)
+    for rank in results:
+        for r in rank:
+            assert any("W" in order for order in r["orders"]), r["orders"]  # the split was active
+            first, *later = r["bucket_launches"]
+            assert first["launched_at_task"] and all(at_finish for _, at_finish in first["launched_at_task"])
+            for it in later:  # every bucket launched by the schedule itself, none left to finish_grad_sync
+                launched = it["launched_at_task"]
+                assert len(launched) >= 1 and not any(at_finish for _, at_finish in launched), it
+                assert all(0 < task <= it["tasks"] for task, _ in launched), it
+    print("\n[overlap] bucket launches (task count at launch, by finish_grad_sync) / tasks, iteration 2:",
+          [(r["stage"], r["bucket_launches"][1]) for rank in results for r in rank[:1]])
+
+
+@pytest.mark.timeout(400)
+def test_tp2_pp2_sequence_parallel_split_equals_megatron():
+    """Megatron's sequence parallelism (norms marked sequence_parallel on CPU) with the B/W
+    split active, default policy and ZB-H1 read readiness-first, against Megatron's 1F1B."""
+    cases = [Case(model="gpt", iterations=2, hint=hint, buffer_limit="1x", sequence_parallel=True)
+             for hint in ("default", "zbh1")]
+    results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
+    _check(results, expect_reordering=False)
+    for rank in results:
+        for r in rank:
+            assert any("W" in order for order in r["orders"]), r["orders"]  # the split was active
+            assert r["peak_deferred_wgrad_bytes"] > 0
+
+
+@pytest.mark.timeout(400)
 def test_stress_hundreds_of_delay_patterns_tp2_pp2():
     results = launch(stress, world_size=4, tp=2, pp=2, timeout=360, args=(200,), kwargs={"late_rank": 0})
     for r in results:

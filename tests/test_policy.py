@@ -455,3 +455,38 @@ def test_tradeoff_curve_json_and_png(tmp_path):
     assert all(p["peak_in_flight"] <= p["buffer_limit"] for p in report["curve"]["zbh1"])
     assert (tmp_path / "curve-curve.png").stat().st_size > 0
     assert main(["simulate", "--buffer-limit", "1x,auto"]) == 2  # 'auto' needs the runtime's measure
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(1, 6), chunks=st.integers(1, 3), microbatches=st.integers(1, 12),
+       hint=st.sampled_from(["default", "bfw", "zbh1"]), strict=st.booleans(), limit=st.sampled_from(["1x", "2x", 32]),
+       seed=st.integers(0, 2**16))
+def test_weight_tasks_run_in_backward_order_per_chunk(pp, chunks, microbatches, hint, strict, limit, seed):
+    """Transformer Engine's per-module weight-gradient queue is FIFO (mcore/wgrad_te.py), so on
+    every stage the W of a chunk must run in the order of that chunk's B — under any timing."""
+    import random
+
+    from megatron_rrfp.policy import dryrun
+    from megatron_rrfp.policy.plan import Plan
+
+    if not _megatron_accepts(pp, microbatches, chunks) or (hint == "bfw" and strict):
+        return
+    topology = Topology(pp, chunks)
+    try:
+        plan = Plan.build(ArbiterConfig(hint=hint, strict=strict, buffer_limit=limit), topology, microbatches)
+    except (BufferLimitError, HintError):
+        return
+    rng = random.Random(seed)
+    durations: dict = {}
+
+    def duration(stage, task):
+        return durations.setdefault((stage, task), rng.uniform(0.2, 3.0))
+
+    result = dryrun.run(plan.arbiters(), topology, duration=duration,
+                        latency=lambda stage, task: durations.setdefault(("msg", stage, task), rng.uniform(0, 1.0)))
+    assert plan.split_backward and all(any(t.kind is Kind.W for t in order) for order in result.orders)
+    for stage, order in enumerate(result.orders):
+        for chunk in range(chunks):
+            backwards = [t.microbatch for t in order if t.kind is Kind.B and t.chunk == chunk]
+            weights = [t.microbatch for t in order if t.kind is Kind.W and t.chunk == chunk]
+            assert weights == backwards, (stage, chunk, format_order(order))

@@ -187,7 +187,8 @@ def test_flags_and_train_config_agree():
             "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
             "--global-batch-size", "--train-iters", "--lr", "--min-lr", "--lr-warmup-iters", "--data-path",
             "--save", "--save-interval", "--load", "--log-interval", "--cpu", "--nproc",
-            "--pipeline-schedule", "--rrfp-buffer-limit", "--rrfp-trace-dir"} <= flags
+            "--pipeline-schedule", "--rrfp-buffer-limit", "--rrfp-trace-dir", "--sequence-parallel",
+            "--overlap-grad-reduce", "--use-distributed-optimizer"} <= flags
 
 
 def test_samples_follow_megatrons_sampler():
@@ -249,3 +250,22 @@ def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():
     assert (slurm.source, slurm.rank, slurm.world_size, slurm.master_addr, slurm.master_port) == \
         ("slurm", 1, 2, "node7", 20042)
     assert detect({}).source == "single"
+
+
+@pytest.mark.timeout(400)
+def test_dp2_pp2_overlap_grad_reduce_and_distributed_optimizer_same_losses_as_1f1b():
+    """Megatron-LM's --overlap-grad-reduce --use-distributed-optimizer over DP=2 x PP=2: the
+    default policy (B/W split active: no fallback line) trains like Megatron's 1F1B."""
+    layout = [*TINY, "--nproc", "4", "--train-iters", "4", "--overlap-grad-reduce",
+              "--use-distributed-optimizer"]
+    ours = train(*layout, "--pipeline-schedule", "rrfp", timeout=300)
+    megatron = train(*layout, "--pipeline-schedule", "1f1b", timeout=300)
+    assert "without the B/W split" not in ours.stdout, ours.stdout[-2000:]
+    a, b = losses(ours), losses(megatron)
+    assert a.keys() == b.keys() == {1, 2, 3, 4}
+    assert all(abs(a[i] - b[i]) <= 1e-5 for i in a), (a, b)
+
+
+def test_sequence_parallel_needs_tensor_parallelism():
+    result = train(*TINY, "--sequence-parallel")
+    assert result.returncode != 0 and "--sequence-parallel needs --tensor-model-parallel-size > 1" in result.stderr

@@ -50,6 +50,13 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--goodput-ledger", metavar="DB", default=None,
                        help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
         p.add_argument("--timeout", type=bounds["--timeout"], default=1200.0, help="seconds before the run is killed")
+        production = p.add_argument_group("production parallelism (Megatron-LM's names)")
+        production.add_argument("--sequence-parallel", action="store_true",
+                                help="Megatron's sequence parallelism (needs --tp > 1)")
+        production.add_argument("--overlap-grad-reduce", action="store_true",
+                                help="megatron-core DDP around the stages, reductions overlapped with the backward")
+        production.add_argument("--use-distributed-optimizer", action="store_true",
+                                help="DDP's distributed-optimizer layout (reduce-scatter of gradients)")
         p.set_defaults(func=_run_bench)
 
 
@@ -70,7 +77,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**workload_from_args(args)),
         iterations=args.iterations, warmup=args.warmup,
         seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
-        goodput_ledger=args.goodput_ledger)
+        goodput_ledger=args.goodput_ledger, sequence_parallel=args.sequence_parallel,
+        overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer)
     report = run_bench(config)
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "

@@ -54,8 +54,8 @@ def wrap_tasks(on_task: OnTask) -> None:
                        lambda: backward_step(input_tensor, output_tensor, *args, **kwargs))
 
     @functools.wraps(run_weight)
-    def hooked_weight(store, key):
-        return on_task(Task(Kind.W, key[0], key[1]), lambda: run_weight(store, key))
+    def hooked_weight(store, key, **kwargs):
+        return on_task(Task(Kind.W, key[0], key[1]), lambda: run_weight(store, key, **kwargs))
 
     schedules.forward_step, schedules.backward_step = hooked_forward_step, hooked_backward_step
     wgrad.WeightGradStore.run = hooked_weight

@@ -75,6 +75,14 @@ class BenchConfig:
     goodput_ledger: Optional[str] = None
     """SQLite goodput ledger: every measured iteration of every schedule, in run order."""
     timeout_s: float = 1200.0
+    # production parallelism (Megatron-LM's names; bench/cli.py keeps them in one group)
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs tensor_parallel > 1, gpt)."""
+    overlap_grad_reduce: bool = False
+    """Wrap the stages in megatron-core DDP with overlapped gradient reduction (and Megatron's
+    no_sync / finalize_model_grads hooks), for every schedule alike."""
+    use_distributed_optimizer: bool = False
+    """DDP's distributed-optimizer layout (reduce-scatter); implies the DDP wrapping."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "pipeline_size": integer(2, 256), "num_chunks": integer(1, 16), "tensor_parallel": integer(1, 64),
@@ -116,6 +124,9 @@ class BenchConfig:
             raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
         if self.model not in ("gpt", "multimodal"):
             raise ValueError(f"--model {self.model!r}: choose gpt or multimodal")
+        if self.sequence_parallel and (self.tensor_parallel < 2 or self.model != "gpt"):
+            raise ValueError(f"--sequence-parallel needs --tp > 1 and --model gpt (got --tp {self.tensor_parallel}, "
+                             f"--model {self.model})")
         if self.num_chunks < 1 or (self.num_chunks > 1 and self.model != "gpt"):
             raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt only")
         self._check_values_and_layout()
@@ -182,6 +193,7 @@ def _build_stage(config: BenchConfig):
     if config.model == "gpt":
         # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
         tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1,
+                                         sequence_parallel=config.sequence_parallel,
                                          **_moe_options(config.workload))
         chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
                                          vp_stage=c if config.num_chunks > 1 else None)
@@ -205,6 +217,24 @@ def _build_stage(config: BenchConfig):
             spec, seed=seed, micro_batch_size=config.micro_batch_size,
             images_per_sample_mean=max(config.workload.images_per_sample, 1.0))
     return stage, multimodal.multimodal_forward_step, data
+
+
+def _with_ddp(config: BenchConfig, stage):
+    """--overlap-grad-reduce / --use-distributed-optimizer: megatron-core DDP around every
+    chunk, config hooked as Megatron-LM's training loop hooks it (the same for every schedule)."""
+    if not (config.overlap_grad_reduce or config.use_distributed_optimizer):
+        return stage
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    chunks = stage if isinstance(stage, list) else [stage]
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=config.overlap_grad_reduce,
+                                               use_distributed_optimizer=config.use_distributed_optimizer)
+    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in chunks]
+    tconfig = chunks[0].config
+    tconfig.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    return wrapped if isinstance(stage, list) else wrapped[0]
 
 
 def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_path: Optional[str] = None) -> dict:
@@ -234,6 +264,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     topology = Topology(pp, config.num_chunks)
     stage, forward_step, data = _build_stage(config)
+    stage = _with_ddp(config, stage)
     parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
     megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
         else forward_backward_pipelining_without_interleaving
@@ -266,6 +297,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                                              seed=config.seed * 100_003 + iteration)
             for p in parameters:
                 p.grad = None
+            for chunk in (stage if isinstance(stage, list) else [stage]):
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
             emulator.split_backward = split_backward and schedule != "megatron-1f1b"
             emulator.delay_rrfp_messages(bool(variability.c50) and schedule != "megatron-1f1b")
             emulator.begin_iteration(realization)

@@ -20,7 +20,8 @@ two or more GPUs (all ranks together, NCCL)
   nccl-stress          the NCCL rounds transport, random delays, both directions, random
                        message shapes, 20 iterations over every hint
   megatron-equivalence a tiny GPT: RRFP's losses and gradients against Megatron's 1F1B
-  te-bfw               Transformer Engine's delay_wgrad_compute under BFW (refused today)
+  te-bfw               Transformer Engine's own split driven by rrfp's W (split vs unsplit
+                       main_grad, W order, DDP hook once per W); one GPU is enough
 """
 from __future__ import annotations
 
@@ -226,21 +227,109 @@ def step_megatron_equivalence(ctx) -> Result:
 
 
 def step_te_bfw(ctx) -> Result:
+    """The real Transformer Engine path of the B/W split (mcore/wgrad_te.py; CPU tests use a
+    stand-in): TE Linear layers built *without* delay_wgrad_compute, inside megatron-core
+    DDP (fused accumulation into main_grad, as Megatron-LM builds them); B of 3 microbatches
+    deferred, W in B order; main_grad equal to the unsplit backward's; an out-of-order W
+    refused; DDP's hook reached once per weight and W (non-fused copy)."""
     try:
         import transformer_engine.pytorch as te
     except ImportError:
         return Result("te-bfw", "SKIP", "Transformer Engine is not installed")
-    from ..mcore.wgrad_te import te_delay_wgrad_reason
+    import torch
 
-    try:
-        module = te.Linear(64, 64, delay_wgrad_compute=True)
-    except TypeError:
-        return Result("te-bfw", "SKIP", "this Transformer Engine has no delay_wgrad_compute (needs >= 2.3)")
-    reason = te_delay_wgrad_reason(module)
+    from ..mcore import wgrad
+    from ..mcore.wgrad_te import te_split_reason
+
+    probe = te.Linear(64, 64, bias=False)
+    reason = te_split_reason(probe)
     if reason:
-        return Result("te-bfw", "PASS", "BFW with TE delay_wgrad_compute is refused with a clear message (not "
-                                        "implemented yet; see mcore/wgrad_te.py)")
-    return Result("te-bfw", "FAIL", "TE delay_wgrad_compute module not recognised: BFW would miss its weight gradients")
+        return Result("te-bfw", "SKIP", f"this Transformer Engine cannot be split by rrfp: {reason}")
+    _ensure_model_parallel()
+    xs = [torch.randn(32, 4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(3)]
+
+    def build(fused: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import MegatronModule
+
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+
+        class Stage(MegatronModule):
+            def __init__(self):
+                super().__init__(config=config)
+                torch.manual_seed(3)
+                self.a = te.Linear(64, 128, bias=False, fuse_wgrad_accumulation=fused)
+                self.b = te.Linear(128, 64, bias=False, fuse_wgrad_accumulation=fused)
+
+            def forward(self, x):
+                return self.b(torch.nn.functional.gelu(self.a(x)))
+
+        stage = Stage().cuda()
+        return stage, DistributedDataParallel(config, DistributedDataParallelConfig(), stage)
+
+    problems, hooks = [], {}
+    for fused in (True, False):
+        grads = []
+        for split in (False, True):
+            stage, ddp = build(fused)
+            ddp.zero_grad_buffer()
+            store = None
+            if split:
+                wgrad.install([ddp])
+                store = wgrad.WeightGradStore(models=[ddp])
+                calls = {"a": 0, "b": 0}
+                make = ddp._make_backward_post_hook
+
+                def counting(param, make=make, calls=calls, stage=stage):
+                    hook = make(param)
+
+                    def run(*args):
+                        if param.grad is not None:
+                            calls["a" if param is stage.a.weight else "b"] += 1
+                        return hook(*args)
+                    return run
+                ddp._make_backward_post_hook = counting
+            with ddp.no_sync():
+                for mb, x in enumerate(xs):
+                    if split:
+                        with store.deferring((mb, 0)):
+                            ddp(x).float().pow(2).sum().backward()
+                    else:
+                        ddp(x).float().pow(2).sum().backward()
+                if split:
+                    try:
+                        store.run((1, 0))
+                        problems.append("an out-of-order W was not refused")
+                    except RuntimeError as exc:
+                        if "FIFO" not in str(exc):
+                            problems.append(f"out-of-order W: unexpected error {exc}")
+                    for mb in range(len(xs)):
+                        store.run((mb, 0))
+                    hooks[fused] = dict(calls)
+            ddp.finish_grad_sync()
+            torch.cuda.synchronize()
+            grads.append([p.main_grad.clone() for p in (stage.a.weight, stage.b.weight)])
+        err = max(float((s - r).abs().max() / r.abs().max()) for s, r in zip(grads[1], grads[0]))
+        if err > 1e-5:
+            problems.append(f"fused={fused}: split main_grad differs from unsplit (max rel err {err:.2e})")
+    if hooks.get(False) != {"a": len(xs), "b": len(xs)}:
+        problems.append(f"non-fused: DDP's hook reached {hooks.get(False)} times from W, expected {len(xs)} each")
+    if problems:
+        return Result("te-bfw", "FAIL", "; ".join(problems))
+    return Result("te-bfw", "PASS", "TE Linear split by rrfp (deferral enabled per B, backward_dw in W): main_grad "
+                                    "equal to unsplit (fused and not), W order enforced, DDP hook once per W")
+
+
+def _ensure_model_parallel() -> None:
+    """megatron-core DDP needs parallel_state: a 1-rank group when the self-check runs alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", world_size=1, rank=0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
 
 
 STEP_FUNCTIONS: dict[str, Callable] = {

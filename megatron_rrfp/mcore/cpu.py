@@ -42,6 +42,7 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.transformer.utils",  # get_default_causal_mask: attention_mask=None
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor: local attention's matmul buffer
     "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter output buffers
+    "megatron.core.tensor_parallel.layers",  # sequence parallel: the linear backward's all-gather buffer
     "megatron.core.distributed.param_and_grad_buffer",  # DDP's grad buffers on current_device()
     "megatron.core.timers",  # Timer.start/stop synchronize CUDA; min/max gather on current_device()
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale = torch.tensor([1.0], device='cuda')

@@ -14,6 +14,19 @@ tasks run:
   again afterwards; with it, call grad_sync_func[c] right after chunk c's last backward;
   at the end, enable and sync every chunk not yet synced.
 
+Split backward (B now, W later): no_sync stays on over every B and W (DDP's own hook would
+count readiness too early from B and never for what B computes, see wgrad.py), and
+``SplitReadiness`` does DDP's counting instead: each parameter is registered ready once per
+iteration, when its gradient is complete — after the chunk's last W for what W computes
+(weight by weight inside that W), after the chunk's last B for everything else — so a bucket
+launches its reduction as soon as its last parameter is done, with DDP's golden counts
+(recorded in the first iteration, as Megatron's) exact. It applies where Megatron's contract
+reduces during the backward (``reduces_during_backward``); elsewhere the end does, as before.
+Launch order across DP ranks: a chunk's last W runs after its last B (W follows B per
+microbatch and the policy runs W in B order), and inside a W the weights complete in a fixed
+order, so every DP replica of a stage launches the same buckets in the same order whatever
+the timing (runtime/rounds.py's argument, extended there).
+
 ``param_sync_func`` (distributed-optimizer parameter all-gather, interleaved): chunks 0 and 1
 before the first forward, chunk c + 1 (c >= 1) before chunk c's first forward — always
 before chunk c + 1 can run its own first forward on this rank.
@@ -46,6 +59,7 @@ class GradSyncController:
             self._no_sync = no_sync or contextlib.nullcontext
         self._grad_sync = None if forward_only else _per_chunk(config.grad_sync_func, len(models))
         self._param_sync = None if forward_only else _per_chunk(config.param_sync_func, len(models))
+        self.num_microbatches = num_microbatches
         self._backwards_left = [num_microbatches] * len(models)
         self._synced: set[int] = set()
         self._context = None
@@ -95,6 +109,15 @@ class GradSyncController:
             self._synced.add(chunk)
         self.disable()
 
+    def reduces_during_backward(self, chunk: int) -> bool:
+        """Megatron's contract: chunk's reductions launch during (or right after) its last
+        backward — not interleaved: without grad_sync_func or on pipeline rank 0; interleaved: always."""
+        return self.interleaved or self._grad_sync is None or self.pp_rank == 0
+
+    def split_readiness(self, deferred: set) -> SplitReadiness:
+        """Readiness counting for a split backward; ``deferred``: parameters W completes."""
+        return SplitReadiness(self, deferred)
+
     def finish(self) -> None:
         if self.forward_only:
             self.enable()
@@ -102,7 +125,7 @@ class GradSyncController:
         if not self.interleaved:
             if self._context is not None:
                 self.enable()
-                if self._grad_sync is not None:
+                if self._grad_sync is not None and 0 not in self._synced:
                     self._grad_sync[0](self.models[0].parameters())
             return
         self.enable()
@@ -111,3 +134,57 @@ class GradSyncController:
                 if chunk not in self._synced:
                     self._grad_sync[chunk](self.models[chunk].parameters())
                     self._synced.add(chunk)
+
+
+class SplitReadiness:
+    """DDP readiness under the B/W split (module docstring): ``after_backward(c)`` after each
+    B, ``weight_done(c)`` (a per-weight callback, or None) for the W about to run and
+    ``after_weight_task(c)`` after it."""
+
+    def __init__(self, controller: GradSyncController, deferred: set) -> None:
+        self._controller = controller
+        m = controller.num_microbatches
+        self._b_left = [m] * len(controller.models)
+        self._w_left = [m] * len(controller.models)
+        self._done: set = set()
+        self._chunks = []  # per chunk: (ddp, params B completes, params W completes) or None
+        for chunk, model in enumerate(controller.models):
+            ddp = model if hasattr(model, "param_to_bucket_group") and hasattr(model, "ddp_config") else None
+            if (ddp is None or not ddp.ddp_config.overlap_grad_reduce or controller.forward_only
+                    or not controller.reduces_during_backward(chunk)):
+                self._chunks.append(None)
+                continue
+            params = list(ddp.param_to_bucket_group)
+            self._chunks.append((ddp, [p for p in params if p not in deferred], [p for p in params if p in deferred]))
+
+    def after_backward(self, chunk: int) -> None:
+        self._b_left[chunk] -= 1
+        if self._b_left[chunk] == 0 and self._chunks[chunk] is not None:
+            for param in self._chunks[chunk][1]:
+                self._ready(chunk, param)
+
+    def weight_done(self, chunk: int):
+        """The callback for the chunk's last W (its weights complete one by one), else None."""
+        if self._chunks[chunk] is None or self._w_left[chunk] != 1:
+            return None
+        return lambda param: self._ready(chunk, param)
+
+    def after_weight_task(self, chunk: int) -> None:
+        self._w_left[chunk] -= 1
+        if self._w_left[chunk] == 0 and self._chunks[chunk] is not None:
+            for param in self._chunks[chunk][2]:
+                self._ready(chunk, param)
+
+    def _ready(self, chunk: int, param) -> None:
+        ddp = self._chunks[chunk][0]
+        bucket_group = ddp.param_to_bucket_group.get(param)
+        if bucket_group is None or param in self._done:
+            return
+        self._done.add(param)
+        # DDP counts only while sync is on; it stays off for its autograd hooks (B, W).
+        was, bucket_group.is_last_microbatch = bucket_group.is_last_microbatch, True
+        try:
+            bucket_group.register_grad_ready(param, getattr(ddp, "force_all_reduce", False))
+        finally:
+            bucket_group.is_last_microbatch = was
+        self._controller._synced.add(chunk)  # the end must not launch this chunk's reductions again

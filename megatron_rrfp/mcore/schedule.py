@@ -28,7 +28,7 @@ from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
 from .grad_sync import GradSyncController
 from .session import session
-from .stage_work import MegatronStageWork, weight_grad_store, with_split_capability
+from .stage_work import MegatronStageWork, attach_split_readiness, weight_grad_store, with_split_capability
 
 _last_reports: list[IterationReport] = []
 
@@ -149,6 +149,8 @@ def forward_backward_rrfp(
             cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, grad_sync=grad_sync)
         work.wgrad_store = wgrad_store
+        if wgrad_store is not None:
+            attach_split_readiness(work)
         iteration = PipelineIteration(
             work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
             transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,

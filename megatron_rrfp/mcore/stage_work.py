@@ -70,7 +70,8 @@ class MegatronStageWork:
         self.grad_sync = grad_sync
         self.model_type = compat.model_type(models[0])
         self.saved: dict[tuple[int, int], tuple[list, list]] = {}
-        self.wgrad_store = None  # set when the hint splits the backward (BFW)
+        self.wgrad_store = None  # set when the hint splits the backward (BFW), with split_readiness
+        self.split_readiness = None
         self.outputs: dict[int, list] = {}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=compat.pipeline_device())
         self._forwards_run = [0] * len(models)
@@ -108,6 +109,7 @@ class MegatronStageWork:
                 input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
             if send is not None:
                 send(input_grad[0])
+            self.split_readiness.after_backward(task.chunk)  # the chunk's last B: B-computed buckets may reduce
             return
         self.grad_sync.before_backward(task.chunk)  # the chunk's last backward may reduce
         input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
@@ -116,18 +118,20 @@ class MegatronStageWork:
         self.grad_sync.after_backward(task.chunk)
 
     def weight(self, task: Task) -> None:
-        """W of a split backward: the deferred weight gradients of one microbatch."""
-        self.wgrad_store.run((task.microbatch, task.chunk))
+        """W of a split backward: the deferred weight gradients of one microbatch; the
+        chunk's last W lets each bucket reduce as soon as its last weight is done."""
+        readiness = self.split_readiness
+        self.wgrad_store.run((task.microbatch, task.chunk), after_weight=readiness.weight_done(task.chunk))
+        readiness.after_weight_task(task.chunk)
 
     def losses_in_microbatch_order(self) -> list:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
 
 
 def weight_grad_store(models, memory=None, *, hint: str = ""):
-    """BFW: weight gradients are deferred to W tasks. Gradient reductions stay off (no_sync)
-    through every B and W — the split backward never calls the grad-sync hooks — and run
-    after the last W (GradSyncController.finish, then finalize_model_grads), so with
-    overlap_grad_reduce the reduction is not overlapped with backward compute.
+    """BFW: weight gradients are deferred to W tasks. DDP's no_sync stays on through every
+    B and W; with overlap_grad_reduce, ``grad_sync.SplitReadiness`` launches each bucket's
+    reduction when its last parameter is complete (``attach_split_readiness``).
 
     Called before the iteration's first task; where the split is impossible (``wgrad.install``
     refuses: its self-check, or a layer it cannot defer) it raises a NotImplementedError that
@@ -143,7 +147,7 @@ def weight_grad_store(models, memory=None, *, hint: str = ""):
             f"megatron_rrfp: hint {hint!r} (option hint= / --rrfp-hint) splits the backward into B and W, "
             f"which is not possible here: {exc}\nUse --rrfp-hint default (it splits the backward only where "
             "it can and otherwise runs unsplit) or an unsplit hint such as bf or 1f1b.") from exc
-    return wgrad.WeightGradStore(memory=memory)
+    return wgrad.WeightGradStore(memory=memory, models=models)
 
 
 _SPLIT_BLOCKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first model chunk -> some stage can't
@@ -170,3 +174,10 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
     if not _SPLIT_BLOCKERS[models[0]]:
         return options
     return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, split_backward_ok=False))
+
+
+def attach_split_readiness(work: MegatronStageWork) -> None:
+    """Overlapped DP reductions for a split backward (grad_sync.SplitReadiness)."""
+    from . import wgrad
+
+    work.split_readiness = work.grad_sync.split_readiness(wgrad.deferred_parameters(work.models))

@@ -38,7 +38,7 @@ megatron-core's code; B then replaces element 1 of the tuple (the weight gradien
 lock and restored in a ``finally``; only the patching thread's calls are intercepted
 (autograd may run the backward on its device thread). Under sequence parallelism the
 recorded total_input is the TP all-gathered input (a view of megatron's global memory
-buffer): that interception point is where SP support would keep or regather it.
+buffer): B keeps a copy of it for W (see "Sequence parallelism" below).
 
 Exactness: ``run(key)`` runs the intercepted GEMM (or fused call) on the same tensors,
 under the forward's autocast state, and accumulates it where the unsplit backward would
@@ -68,7 +68,10 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     active over every B and every W of the iteration and leave it only after the last
     W**; ``finalize_model_grads`` (``finish_grad_sync``) then launches and finishes the
     reduction — with overlap_grad_reduce DDP does so because no readiness was ever
-    counted. Reductions are thus not overlapped with backward compute. With
+    counted. With overlap_grad_reduce the executor counts readiness itself
+    (``grad_sync.SplitReadiness``: each parameter once, when its last W or B of the
+    iteration ran; ``run(key, after_weight=...)`` reports weights as they complete), so
+    buckets reduce while the remaining W/B compute runs, not after the last W. With
     overlap_grad_reduce this module raises if B or W runs with sync enabled; without
     it, sync during W is harmless. (Megatron's schedules, and rrfp's BF path, enable
     sync before the *last backward*; with the split that point is after the last W.)
@@ -79,11 +82,17 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
 MoE: SequentialMLP experts are megatron-core linears and split like any other (their W has
 no collective: the all-to-alls stay in F and B).
 
-Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
-the input, i.e. a collective in W), GTP-sharded weights (0.19's ``gtp_remat_size > 1``: a
-reduce-scatter of the weight gradient), grouped-GEMM experts
-(GroupedMLP, TEGroupedMLP), Megatron-FSDP parameters, and Transformer Engine
-layers built with ``delay_wgrad_compute`` (see ``wgrad_te.py``). Layers
+Transformer Engine modules (``models`` given to the store): their own deferral, driven
+from ``deferring`` / ``run`` (``wgrad_te.py``).
+
+Sequence parallelism: a column-parallel linear's B keeps a copy of megatron's TP-gathered
+input for its W (no collective in W; the copy is TP x the saved input, counted by the store
+and the memory meter until W runs).
+
+Not supported (explicit errors): GTP-sharded weights (0.19's
+``gtp_remat_size > 1``: a reduce-scatter of the weight gradient), grouped-GEMM experts
+(GroupedMLP, TEGroupedMLP), Megatron-FSDP parameters,
+and the TE cases ``wgrad_te.te_split_reason`` names. Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """
 from __future__ import annotations
@@ -104,9 +113,9 @@ from megatron.core.tensor_parallel import layers as _layers
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .compat import MEGATRON_CORE_VERSION
-from .wgrad_te import te_delay_wgrad_reason
+from .wgrad_te import TeSplit, is_te_module, te_split_reason
 
-__all__ = ["WeightGradStore", "deferral_blockers", "install", "split_self_check"]
+__all__ = ["WeightGradStore", "deferral_blockers", "deferred_parameters", "install", "split_self_check"]
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +174,13 @@ class WeightGradStore:
     run the backward itself; the active key is process-global for that reason).
     """
 
-    def __init__(self, *, max_pending: Optional[int] = None, memory=None):
+    def __init__(self, *, max_pending: Optional[int] = None, memory=None, models=None):
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
         self.max_pending = max_pending
         self.memory = memory
+        # Transformer Engine modules of ``models`` (installed): their own store defers, driven from here.
+        self._te = TeSplit(_te_modules(models or []), ddp_of=_ddp_of, hold=self._hold)
         self._pending: dict[Key, _Pending] = {}  # in the order B ran
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
@@ -197,18 +208,23 @@ class WeightGradStore:
             return
         self._pending[key] = _Pending()
         _active = (self, key)
+        self._te.begin(key)
+        ok = False
         try:
             yield
+            ok = True
         except BaseException:
             self._drop(key)  # a half-run backward leaves nothing usable behind
             raise
         finally:
             _active = None
+            self._te.end(key, ok=ok)
 
-    def run(self, key: Key) -> None:
+    def run(self, key: Key, *, after_weight=None) -> None:
         """Compute the stashed weight gradients of ``key`` and accumulate them where the
         unsplit backward would have (param.main_grad via DDP's hook or the fused kernel,
-        else param.grad). Releases the stashed tensors."""
+        else param.grad). Releases the stashed tensors. ``after_weight(param)`` is called
+        as each weight's gradient of this key is complete (overlapped DP reductions)."""
         key = _check_key(key)
         if key in self._inline:
             self._inline.discard(key)
@@ -221,11 +237,15 @@ class WeightGradStore:
             ddp = _ddp_of(work.weight)
             if ddp is not None:
                 _check_sync_off(ddp, work.weight, f"W{key}")
+        self._te.check(key)
         entry = self._pending.pop(key)
         self._bytes -= entry.nbytes
         with torch.no_grad():
             for work in entry.works:
                 _run_work(work, key)
+                if after_weight is not None:
+                    after_weight(work.weight)
+            self._te.run(key, after_weight)
         self._release(entry)
 
     def pending(self) -> list[Key]:
@@ -239,18 +259,22 @@ class WeightGradStore:
         return self._bytes
 
     def _stash(self, key: Key, work: _Work) -> None:
-        entry = self._pending[key]
-        entry.works.append(work)
+        self._pending[key].works.append(work)
         for tensor in (work.input, work.grad_output):
-            storage = tensor.untyped_storage()
-            ident = (tensor.device, storage.data_ptr())
-            if ident not in entry.storages:
-                entry.storages.add(ident)
-                entry.nbytes += storage.nbytes()
-                self._bytes += storage.nbytes()
-                entry.held.append(tensor)
-                if self.memory is not None:
-                    self.memory.hold(tensor)
+            self._hold(key, tensor)
+
+    def _hold(self, key: Key, tensor: torch.Tensor) -> None:
+        """Count what W of ``key`` keeps alive (each storage once per key)."""
+        entry = self._pending[key]
+        storage = tensor.untyped_storage()
+        ident = (tensor.device, storage.data_ptr())
+        if ident not in entry.storages:
+            entry.storages.add(ident)
+            entry.nbytes += storage.nbytes()
+            self._bytes += storage.nbytes()
+            entry.held.append(tensor)
+            if self.memory is not None:
+                self.memory.hold(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
 
     def _drop(self, key: Key) -> None:
@@ -344,7 +368,7 @@ def _fused_accumulate(work: _Work) -> None:
 # of dgrad, bias gradient, reduce-scatter under sequence parallelism) is megatron-core's code.
 # The prepared pair is what W multiplies. It is the one place that receives the *gathered* input
 # under sequence parallelism (megatron's total_input: a view of its global memory buffer, which
-# the next layer overwrites — why SP is refused until W keeps its own copy or regathers).
+# the next layer overwrites — so under SP ``_deferred_backward`` stashes a copy).
 # A backward that does not take this path (no prepare call, or a GEMM on other operands) leaves
 # megatron-core's weight gradient in place: not deferred, still exact. install() checks once per
 # process that the path is taken and bit-exact (_split_self_check).
@@ -493,9 +517,6 @@ def _deferred_backward(ctx, grad_output, active):
     store, key = active
     weight = ctx.rrfp_weight
     name = _NAMES.get(weight, "<unnamed weight>")
-    if ctx.sequence_parallel:
-        raise NotImplementedError(f"wgrad: {name} uses sequence parallelism; deferring its weight gradient would "
-                                  "need W to keep or regather the TP all-gathered input (not implemented)")
     if getattr(ctx, "gtp_remat_size", 1) > 1:
         raise NotImplementedError(f"wgrad: {name} is GTP-sharded (gtp_remat_size={ctx.gtp_remat_size}); its weight "
                                   "gradient needs a reduce-scatter, which W does not issue")
@@ -506,6 +527,11 @@ def _deferred_backward(ctx, grad_output, active):
     if not capture.deferred:
         return grads  # megatron-core computed the weight gradient itself: exact, just not deferred
     total_input, grad_output = capture.total_input, capture.grad_output
+    if ctx.sequence_parallel:
+        # megatron's total_input is then the TP all-gather of the input, a view of its global
+        # buffer that the next linear's backward overwrites: W keeps its own copy (memory the
+        # store counts: TP x this linear's saved input, until W) rather than gathering again.
+        total_input = total_input.clone()
     store._stash(key, _Work(
         weight=weight, input=total_input, grad_output=grad_output,
         versions=(total_input._version, grad_output._version), main_grad=capture.main_grad, fused=capture.fused,
@@ -654,7 +680,7 @@ def install(models: list[torch.nn.Module]) -> None:
 
     Every other parameter keeps getting its gradient in B (exact, just not deferred);
     ``wgrad_coverage.coverage`` names them. Raises NotImplementedError for layers whose
-    deferral is not supported (sequence parallel; TE layers with delay_wgrad_compute),
+    deferral is not supported (GTP-sharded weights; the TE cases of wgrad_te.te_split_reason),
     and ValueError if a linear's weight has a main_grad but no megatron DDP is among
     ``models``.
     """
@@ -699,14 +725,16 @@ def deferral_blockers(models: list[torch.nn.Module]) -> list[str]:
     """Why splitting the backward would not work or not pay (one line each), changing
     nothing: layers ``install`` refuses, or no megatron-core linear to defer at all (e.g.
     only Transformer Engine layers). The default policy splits the backward only if empty."""
+    _note_ddps(models)
     modules = [(index, name, module) for index, model in enumerate(models) for name, module in model.named_modules()]
     problem = split_self_check()
     blockers = [problem] if problem else []
     blockers += [_blocker(index, name, module, reason) for index, name, module in modules
                 if (reason := _unsupported_reason(module))]
-    if not any(_is_patchable(module) and _trainable_weight(module) is not None for _, _, module in modules):
-        blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear whose weight "
-                        "gradient could be deferred")
+    if not any((_is_patchable(module) and _trainable_weight(module) is not None) or is_te_module(module)
+               for _, _, module in modules):
+        blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear or Transformer Engine "
+                        "module whose weight gradient could be deferred")
     return blockers
 
 
@@ -721,11 +749,43 @@ def _unsupported_reason(module) -> str:
     if type(module).__name__ in _GROUPED_EXPERTS:
         return ("grouped-GEMM experts compute their weight gradients inside one grouped GEMM backward, which "
                 "cannot be deferred; use moe_grouped_gemm=False (SequentialMLP: its linears are split)")
-    if _is_patchable(module) and getattr(module, "sequence_parallel", False):
-        return "sequence_parallel=True (W would need a TP all-gather of the input)"
     if _is_patchable(module) and getattr(module, "gtp_remat_size", 1) > 1:
         return f"GTP-sharded weight (gtp_remat_size={module.gtp_remat_size}; W would need a reduce-scatter)"
-    return te_delay_wgrad_reason(module)
+    if not is_te_module(module):
+        return ""
+    ddps = [d for d in map(_ddp_of, module.parameters(recurse=False)) if d is not None]
+    overlap = any(getattr(d.ddp_config, "overlap_grad_reduce", False) for d in ddps)
+    return te_split_reason(module, overlap_grad_reduce=overlap)
+
+
+def _note_ddps(models) -> None:
+    """Remember which megatron DDP owns each parameter (W and the refusals need it)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, DistributedDataParallel):
+                for param in module.module.parameters():
+                    _DDP_OF[param] = weakref.ref(module)
+
+
+def _te_modules(models) -> list:
+    """(name, module) of the Transformer Engine modules ``install`` accepted, in model order."""
+    return [(f"model[{index}].{name}", module) for index, model in enumerate(models)
+            for name, module in model.named_modules() if is_te_module(module) and not _unsupported_reason(module)]
+
+
+def deferred_parameters(models) -> set:
+    """Parameters whose gradient W completes (installed linears' weights, TE modules' own
+    parameters); every other trainable parameter is complete after its B."""
+    out = set()
+    for model in models:
+        for module in model.modules():
+            if _is_installed(module) and _trainable_weight(module) is not None:
+                out.add(module.weight)
+            elif is_te_module(module) and not _unsupported_reason(module):
+                out.update(p for p in module.parameters(recurse=False) if p.requires_grad)
+    return out
 
 
 def _trainable_weight(module):

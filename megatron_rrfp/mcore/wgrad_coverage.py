@@ -6,12 +6,7 @@ import dataclasses
 
 import torch
 
-from .wgrad import _is_installed, _trainable_weight
-
-
-def _deferred_weights(models) -> list:
-    return [m.weight for model in models for m in model.modules()
-            if _is_installed(m) and _trainable_weight(m) is not None]
+from .wgrad import deferred_parameters
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -19,7 +14,7 @@ class WgradCoverage:
     """Which trainable parameters of the installed models get their gradient in W."""
 
     deferred: tuple[str, ...]
-    """Weights of installed megatron linears: gradient computed by ``run`` (W)."""
+    """Weights of installed megatron linears and Transformer Engine modules: gradient computed by ``run`` (W)."""
     in_backward: tuple[tuple[str, str], ...]
     """(parameter, owning module type) computed by autograd in B: biases, norms,
     embeddings, other modules. Tied weights used by a linear too are listed here and
@@ -32,7 +27,7 @@ class WgradCoverage:
 
 
 def coverage(models: list[torch.nn.Module]) -> WgradCoverage:
-    deferred_ids = {id(p) for p in _deferred_weights(models)}
+    deferred_ids = {id(p) for p in deferred_parameters(models)}
     deferred, in_backward, seen = [], [], set()
     for index, model in enumerate(models):
         for module_name, module in model.named_modules():

@@ -49,6 +49,14 @@ The agreement itself runs on separate gloo groups, off the device queues.
 
 Out of scope of the argument: collectives that other pipelines issue at their own points
 (data-parallel gradient reductions overlapped with the backward); see the README.
+Under the B/W split (``mcore/grad_sync.SplitReadiness``) a stage's bucket reductions are
+issued at points fixed by its own task sequence, not by timing: the chunk's last B
+(buckets B completes, in bucket order), then inside the chunk's last W weight by weight in
+the store's fixed order — and the last W runs after the last B. So, without interleaving,
+every DP replica of a stage issues the same reductions in the same order, each at a point
+that is the same for all of them relative to its own tasks (what the argument asks of TP
+collectives); with several chunks the chunks' events can interleave differently per
+replica, which the argument does not cover.
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated

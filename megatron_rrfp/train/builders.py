@@ -45,6 +45,8 @@ def transformer_config(cfg):
         return multimodal.multimodal_config(**sizes)
     if cfg.bf16:  # Megatron-LM's --bf16: bf16 weights and p2p, fp32 main weights in the optimizer
         sizes.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    if getattr(cfg, "sequence_parallel", False):
+        sizes.update(sequence_parallel=True)
     return models.tiny_gpt_config(**sizes, **moe_options(cfg))
 
 
@@ -65,11 +67,17 @@ def build_model(cfg, device: torch.device):
 
         stage = Float16Module(config, stage)  # bf16 inputs in, fp32 logits out, as Megatron-LM wraps it
     # bf16: gradients accumulate and all-reduce in fp32 (Megatron-LM's default with --bf16)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False,
-                                                                        grad_reduce_in_fp32=cfg.bf16), stage)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_options(cfg)), stage)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def ddp_options(cfg) -> dict:
+    """DistributedDataParallelConfig of the run: the production flags (Megatron-LM's names).
+    No grad_sync_func is set: every pipeline rank reduces during its backward."""
+    return dict(use_distributed_optimizer=getattr(cfg, "use_distributed_optimizer", False),
+                overlap_grad_reduce=getattr(cfg, "overlap_grad_reduce", False), grad_reduce_in_fp32=cfg.bf16)
 
 
 def forward_step_func(cfg) -> Callable:
@@ -90,6 +98,7 @@ def build_optimizer(cfg, model, timers=None):
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                             adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=False,
+                            use_distributed_optimizer=getattr(cfg, "use_distributed_optimizer", False),
                             timers=timers),
             [model])
     model.config.grad_scale_func = optimizer.scale_loss

@@ -69,6 +69,16 @@ class TrainConfig:
     moe_token_dispatcher_type: str = _flag("allgather", "MoE: token dispatcher", "mixture of experts",
                                            choices=("allgather", "alltoall"))
     moe_aux_loss_coeff: float = _flag(0.0, "MoE: load-balancing aux-loss coefficient", "mixture of experts")
+    # production parallelism (Megatron-LM's names): one group, kept together
+    sequence_parallel: bool = _flag(False, "Megatron-LM's --sequence-parallel: shard norms/dropout activations over "
+                                    "TP (needs --tensor-model-parallel-size > 1)", "production parallelism",
+                                    action="store_true")
+    overlap_grad_reduce: bool = _flag(False, "Megatron-LM's --overlap-grad-reduce: DDP launches each bucket's "
+                                      "reduction as its gradients complete (with rrfp's B/W split too)",
+                                      "production parallelism", action="store_true")
+    use_distributed_optimizer: bool = _flag(False, "Megatron-LM's --use-distributed-optimizer: optimizer state "
+                                            "sharded over DP (gradients reduce-scattered)", "production parallelism",
+                                            action="store_true")
     # optimisation
     train_iters: int = _flag(20, "iterations to train (the cosine decay spans them)", "optimizer")
     lr: float = _flag(1e-3, "peak learning rate (Adam)", "optimizer")
@@ -242,6 +252,9 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "--wandb-project needs --wandb-save-dir DIR (or --save DIR: then SAVE/wandb)")
     _require(c.tensorboard_log_interval >= 1,
              f"--tensorboard-log-interval must be >= 1, got {c.tensorboard_log_interval}")
+    _require(not c.sequence_parallel or tp > 1,
+             f"--sequence-parallel needs --tensor-model-parallel-size > 1 (got {tp})")
+    _require(not c.sequence_parallel or c.model == "gpt", "--sequence-parallel is offered for --model gpt only")
     _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt only")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")

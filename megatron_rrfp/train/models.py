@@ -8,6 +8,7 @@ CPU-only host.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -106,11 +107,40 @@ def build_gpt_stage(config: TransformerConfig, *, vocab_size: int, seq_length: i
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stage_seed(seed, pp_rank, vp_stage))
-        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-        return GPTModel(config=config, transformer_layer_spec=spec,
+        return GPTModel(config=config, transformer_layer_spec=_layer_spec(config, vp_stage, pp_rank),
                         vocab_size=vocab_size, max_sequence_length=seq_length,
                         pre_process=pre_process, post_process=post_process,
                         share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+
+
+class SequenceParallelTorchNorm:
+    """torch's LayerNorm / RMSNorm with ``sequence_parallel=True`` on its parameters, so
+    finalize_model_grads all-reduces their gradients over TP. megatron-core's torch norm
+    refuses sequence parallelism (it is apex's / TE's job on GPUs); the CPU models use this."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+def _layer_spec(config: TransformerConfig, vp_stage, pp_rank):
+    """The local spec (with experts for MoE); with sequence parallelism and megatron's torch norm (no apex / TE),
+    its norms replaced by ``SequenceParallelTorchNorm``."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    if not config.sequence_parallel or getattr(gpt_layer_specs, "LNImpl", None) is not WrappedTorchNorm:
+        return spec
+    norms = {name: SequenceParallelTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(spec.submodules, name, None) is WrappedTorchNorm}
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelTorchNorm)
 
 
 def synthetic_gpt_batches(*, seed: int, micro_batch_size: int, seq_length: int,

@@ -48,6 +48,12 @@ class Case:
     """config.calculate_per_token_loss: finalize_model_grads divides by the total token count."""
     transport: str = "auto"
     """RRFPConfig.transport: 'rounds' runs the device (NCCL) protocol over gloo."""
+    sequence_parallel: bool = False
+    """gpt only: megatron's sequence parallelism (TP > 1), torch norms marked sequence_parallel."""
+    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = False
+    bucket_size: Optional[int] = None
+    """DDP's bucket size in elements (small: several buckets, to see them launch one by one)."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,7 +75,8 @@ def _build(case: Case, data_parallel: int):
     if case.model == "moe":
         config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1], **moe_options())
     elif case.model == "gpt":
-        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1])
+        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1],
+                                        sequence_parallel=case.sequence_parallel)
     else:
         config = models.tiny_gpt_config()
     if case.model in ("gpt", "moe"):
@@ -85,7 +92,10 @@ def _build(case: Case, data_parallel: int):
     config.variable_seq_lengths = case.variable_seq_lengths
     config.calculate_per_token_loss = case.per_token_loss
     if data_parallel > 1:
-        stage = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), stage)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case.use_distributed_optimizer,
+                                                   overlap_grad_reduce=case.overlap_grad_reduce,
+                                                   bucket_size=case.bucket_size)
+        stage = DistributedDataParallel(config, ddp_config, stage)
         config.no_sync_func = stage.no_sync
         config.finalize_model_grads_func = finalize_model_grads
     return stage
@@ -177,15 +187,23 @@ def compare_with_megatron(case: Case) -> dict:
     rng = random.Random(case.delay_seed * 1000 + rank)
     options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
                             timeout_s=case.timeout_s, transport=case.transport)
-    task_delay = (lambda task: rng.uniform(0.0, case.max_task_delay_s)) if case.max_task_delay_s else None
+    tasks_started = [0]
+
+    def task_delay(task):  # also counts RRFP's tasks, to place the bucket launches
+        tasks_started[0] += 1
+        return rng.uniform(0.0, case.max_task_delay_s) if case.max_task_delay_s else 0.0
+
+    launches = _record_bucket_launches(candidate, tasks_started)
     message_delay = (lambda message: case.late_delay_s) if case.late_rank == rank else None
     stage = parallel_state.get_pipeline_model_parallel_rank()
     topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
     loss_err = grad_err = 0.0
-    losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds = [], [], [], 0, 0
+    losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds, launch_log = [], [], [], 0, 0, []
     for iteration in range(case.iterations):
         results = []
+        tasks_started[0] = 0
+        launches.clear()
         for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
                                        (candidate, forward_backward_rrfp, {"rrfp_config": options})):
             rrfp = schedule is forward_backward_rrfp  # delays only perturb RRFP's order
@@ -198,6 +216,7 @@ def compare_with_megatron(case: Case) -> dict:
                                   micro_batch_size=case.micro_batch_size, forward_only=case.forward_only, **extra)
             results.append((losses, None if case.forward_only else _grads(model)))
         (ref_losses, ref_grads), (our_losses, our_grads) = results
+        launch_log.append({"launched_at_task": list(launches), "tasks": tasks_started[0]})
         report = last_iteration_report()
         orders.append(report.order_string)
         agree_rounds += report.agree_rounds
@@ -222,8 +241,24 @@ def compare_with_megatron(case: Case) -> dict:
         "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
-        "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds,
+        "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds, "bucket_launches": launch_log,
     }
+
+
+def _record_bucket_launches(model, tasks_started: list) -> list:
+    """Wrap (from outside) each DDP bucket group's start_grad_sync: (the RRFP task count at
+    which it launched — tasks_started counts tasks as they start —, whether finish_grad_sync
+    launched it, i.e. after the schedule)."""
+    launches: list = []
+    for group in getattr(model, "bucket_groups", ()):
+        def start(*args, _original=group.start_grad_sync, **kwargs):
+            import traceback
+
+            in_finalize = any(frame.name == "finish_grad_sync" for frame in traceback.extract_stack())
+            launches.append((tasks_started[0], in_finalize))
+            return _original(*args, **kwargs)
+        group.start_grad_sync = start
+    return launches
 
 
 def run_cases(cases: list[Case]) -> list[dict]:
