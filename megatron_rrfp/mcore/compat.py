@@ -192,3 +192,21 @@ def _is_multi_module_collection(collection) -> bool:
     except ImportError:
         return False
     return isinstance(collection, MultiModuleProcessGroupCollection)
+
+
+# --------------------------------------------------------------------------- HybridModel
+#
+# megatron.core.models.hybrid (HybridModel, HybridStack, --hybrid-layer-pattern with '|'
+# between pipeline segments) first ships in 0.18.0. 0.15 - 0.17 have only MambaModel, whose
+# hybrid_override_pattern cannot place segments on stages and refuses virtual pipelines:
+# no stand-in for the same model, so --model hybrid is refused there.
+
+HYBRID_MODEL_SINCE = Version("0.18.0")
+
+
+def hybrid_model_unavailable() -> str:
+    """Why HybridModel cannot be built with the installed megatron-core (empty if it can)."""
+    if MEGATRON_CORE_VERSION.release >= HYBRID_MODEL_SINCE.release:
+        return ""
+    return (f"megatron-core's HybridModel needs megatron-core >= {HYBRID_MODEL_SINCE.major}."
+            f"{HYBRID_MODEL_SINCE.minor} (installed: {MEGATRON_CORE_VERSION})")

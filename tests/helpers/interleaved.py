@@ -10,7 +10,8 @@ import random
 
 
 def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
-                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto") -> dict:
+                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto",
+                        hint: str | None = None) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
@@ -20,6 +21,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.policy.arbiter import ArbiterConfig
     from megatron_rrfp.policy.hints import megatron_1f1b_order
     from megatron_rrfp.policy.topology import Topology
     from megatron_rrfp.train import models
@@ -34,25 +36,30 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     seq, mbs, vocab = 16, 2, 64
 
     def build(reference: bool):
-        config = models.tiny_gpt_config(num_layers=pp * chunks)
+        config = models.tiny_gpt_config(num_layers=(2 if model == "hybrid" else 1) * pp * chunks)
         if reference:
             config.batch_p2p_comm = False
+        if model == "hybrid":  # one attention + one MLP layer per model chunk
+            pattern = "|".join(["*-"] * (pp * chunks))
+            return [models.build_hybrid_stage(config, hybrid_layer_pattern=pattern, vocab_size=vocab, seq_length=seq,
+                                              seed=5, vp_stage=c) for c in range(chunks)]
         if model == "gpt":
             return [models.build_gpt_stage(config, vocab_size=vocab, seq_length=seq, seed=5, vp_stage=c)
                     for c in range(chunks)]
         return [mlp.build_mlp_stage(config, seed=5, vp_stage=c) for c in range(chunks)]
 
     def data(iteration: int):
-        if model == "gpt":
+        if model in ("gpt", "hybrid"):
             return [models.synthetic_gpt_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                                  vocab_size=vocab) for _ in range(chunks)]
         return [mlp.synthetic_mlp_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                              hidden_size=32) for _ in range(chunks)]
 
-    step = models.gpt_forward_step if model == "gpt" else mlp.mlp_forward_step
+    step = mlp.mlp_forward_step if model == "mlp" else models.gpt_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
-    options = RRFPConfig(timeout_s=60, transport=transport)
+    options = RRFPConfig(timeout_s=60, transport=transport,
+                         **({"arbiter": ArbiterConfig(hint=hint)} if hint is not None else {}))
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
