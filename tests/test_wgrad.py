@@ -294,6 +294,67 @@ def sequence_parallel_refused() -> str:
     return ""
 
 
+def _break_split_contract() -> None:
+    """Stand in for a megatron-core release whose linear backward no longer goes through
+    the module-level prepare_input_tensors_for_wgrad_compute (same gradients, unsplit):
+    the original backward, run with that name pointing at megatron.core.utils' own."""
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers
+
+    function = layers.LinearWithGradAccumulationAndAsyncCommunication
+    original = function.backward
+
+    def backward(ctx, grad_output):
+        seen = layers.prepare_input_tensors_for_wgrad_compute
+        layers.prepare_input_tensors_for_wgrad_compute = utils.prepare_input_tensors_for_wgrad_compute
+        try:
+            return original(ctx, grad_output)
+        finally:
+            layers.prepare_input_tensors_for_wgrad_compute = seen
+
+    function.backward = staticmethod(backward)
+
+
+def split_fallback_suite() -> dict:
+    """PP=2 GPT with the split contract broken before anything is built: the default hint
+    against megatron's 1F1B (printed line captured), then an explicit zbh1 hint."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from helpers import equivalence
+    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp
+    from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.train import models
+
+    _break_split_contract()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        default = equivalence.compare_with_megatron(equivalence.Case(model="gpt", iterations=2, hint="default"))
+    case = equivalence.Case(model="gpt", hint="zbh1")
+    model = equivalence._build(case, data_parallel=1)
+    forwards = []
+
+    def forward_step(data_iterator, model):
+        forwards.append(1)
+        return models.gpt_forward_step(data_iterator, model)
+
+    zbh1_error = ""
+    try:
+        forward_backward_rrfp(forward_step_func=forward_step, data_iterator=equivalence._data(case, 0), model=model,
+                              num_microbatches=case.num_microbatches, seq_length=case.seq_length,
+                              micro_batch_size=case.micro_batch_size, rrfp_config=RRFPConfig.of(hint="zbh1"))
+    except NotImplementedError as exc:
+        zbh1_error = str(exc)
+    dist.barrier()  # both ranks got here: the refusal did not leave a peer waiting
+    shutdown()
+    return {"default": default, "printed": printed.getvalue(), "zbh1_error": zbh1_error,
+            "forwards_before_error": len(forwards), "self_check": wgrad.split_self_check()}
+
+
 def single_process_suite(cases) -> dict:
     return {"compare": compare_split(cases), "contract": store_contract()}
 
@@ -373,3 +434,23 @@ def test_default_policy_splits_the_backward_only_where_every_stage_can():
     assert neighbour_blocked.arbiter.split_backward_ok is False
     explicit = RRFPConfig.of(hint="bf")
     assert with_split_capability(explicit, plain, all_stages=lambda ok: ok) is explicit
+
+
+@pytest.mark.timeout(200)
+def test_broken_split_contract_falls_back_for_default_and_refuses_zbh1():
+    """A megatron-core whose linear backward the split cannot intercept (simulated from the
+    rank function, before the model is built): the install-time self-check finds it; the
+    default hint then trains unsplit with one line naming the version and reason, with
+    megatron 1F1B's gradients; zbh1 is refused before any forward, naming --rrfp-hint."""
+    outs = launch(split_fallback_suite, world_size=2, pp=2, timeout=190)
+    for out in outs:
+        assert "self-check failed" in out["self_check"] and "megatron-core 0." in out["self_check"]
+        default = out["default"]
+        assert default["grad_rel_err"] <= 1e-5 and default["loss_rel_err"] <= 1e-5, default
+        assert default["peak_deferred_wgrad_bytes"] == 0 and not any("W" in o for o in default["orders"])
+        lines = [line for line in out["printed"].splitlines() if "without the B/W split" in line]
+        assert len(lines) == 1 and out["self_check"] in lines[0], out["printed"]
+        assert out["forwards_before_error"] == 0
+        error = out["zbh1_error"]
+        assert "'zbh1'" in error and "--rrfp-hint" in error and "default" in error and out["self_check"] in error
+    print(f"\n[wgrad] fallback line: {lines[0]}\n[wgrad] zbh1: {error}")

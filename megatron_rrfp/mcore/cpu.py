@@ -28,6 +28,8 @@ import torch
 #                         TP all-gather / reduce-scatter outputs (gather_output=True, SP)
 #   tensor_parallel.random CudaRNGStatesTracker.fork(): swaps CUDA RNG states around
 #                         dropout; GPTModel enters it in attention and transformer block
+#   distributed/param_and_grad_buffer.py (0.19) torch.cuda.current_stream() in
+#                         start_grad_sync (waits for CUDA-graph wgrad events)
 # Rather than patch functions (their bodies change every release), each affected module
 # gets its own stand-in for its global name `torch`: identical except that "cuda" devices
 # become "cpu" and torch.cuda.current_device/synchronize are CPU-safe. Nothing outside
@@ -130,6 +132,26 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device=None):
         return None  # CPU ops and gloo waits are already synchronous
+
+    @staticmethod
+    def current_stream(device=None):
+        return _HOST_STREAM  # 0.19's bucket finish_grad_sync waits on CUDA-graph wgrad events through it
+
+
+class _HostStream:
+    """The one CPU "stream": work on it is already complete, so waiting is a no-op."""
+
+    def wait_event(self, event):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+_HOST_STREAM = _HostStream()
 
 
 class _CpuTorch(types.ModuleType):

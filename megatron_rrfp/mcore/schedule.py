@@ -108,7 +108,8 @@ def forward_backward_rrfp(
     plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
-    wgrad_store = weight_grad_store(models, meter) if arbiter.split_backward else None
+    wgrad_store = weight_grad_store(models, meter, hint=options.arbiter.parsed_hint.name) \
+        if arbiter.split_backward else None
     agreement = None
     if runtime.agreement_group is not None:
         agreement = TPAgreement(runtime.agreement_group, num_microbatches=num_microbatches,

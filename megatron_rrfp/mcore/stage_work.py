@@ -123,14 +123,26 @@ class MegatronStageWork:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
 
 
-def weight_grad_store(models, memory=None):
+def weight_grad_store(models, memory=None, *, hint: str = ""):
     """BFW: weight gradients are deferred to W tasks. Gradient reductions stay off (no_sync)
     through every B and W — the split backward never calls the grad-sync hooks — and run
     after the last W (GradSyncController.finish, then finalize_model_grads), so with
-    overlap_grad_reduce the reduction is not overlapped with backward compute."""
+    overlap_grad_reduce the reduction is not overlapped with backward compute.
+
+    Called before the iteration's first task; where the split is impossible (``wgrad.install``
+    refuses: its self-check, or a layer it cannot defer) it raises a NotImplementedError that
+    names the ``hint`` asking for the split — the same on every rank, before any work."""
     from . import wgrad
 
-    wgrad.install(models)
+    try:
+        wgrad.install(models)
+    except NotImplementedError as exc:
+        if not hint:
+            raise
+        raise NotImplementedError(
+            f"megatron_rrfp: hint {hint!r} (option hint= / --rrfp-hint) splits the backward into B and W, "
+            f"which is not possible here: {exc}\nUse --rrfp-hint default (it splits the backward only where "
+            "it can and otherwise runs unsplit) or an unsplit hint such as bf or 1f1b.") from exc
     return wgrad.WeightGradStore(memory=memory)
 
 

@@ -21,9 +21,37 @@ What stays in B (computed by autograd during the backward, exactly as before): b
 embeddings, any parameter of other modules (``wgrad_coverage.coverage(models)`` lists both).
 A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
-Exactness: ``run(key)`` computes the same GEMM as megatron-core's unsplit backward on the
-same saved tensors and accumulates it where the unsplit backward would have
-(``_accumulate``); outside ``deferring`` the layers run megatron-core's own backward.
+How (B wraps megatron-core, it does not re-implement it): while a ``deferring`` is
+active, an installed linear's backward *is* megatron-core's own
+``LinearWithGradAccumulationAndAsyncCommunication.backward``, called with its arguments
+and returning its tuple (so arguments a release adds pass through), with only the weight
+gradient GEMM intercepted. For the duration of that call the module
+``megatron.core.tensor_parallel.layers`` sees two replaced names:
+``prepare_input_tensors_for_wgrad_compute`` calls the real one and records the prepared
+(grad_output, total_input) — W's work — returning total_input wrapped so that the GEMM
+``grad_output.t().matmul(total_input)`` on exactly those tensors is answered with a
+discarded placeholder instead of being computed; with gradient accumulation fusion,
+``fused_weight_gradient_mlp_cuda`` records its call instead of running the kernel.
+Everything else — the input gradient, its TP all-reduce, the bias gradient — is
+megatron-core's code; B then replaces element 1 of the tuple (the weight gradient) with
+``None`` (a zero under DDP overlap_grad_reduce, see below). The names are patched under a
+lock and restored in a ``finally``; only the patching thread's calls are intercepted
+(autograd may run the backward on its device thread). Under sequence parallelism the
+recorded total_input is the TP all-gathered input (a view of megatron's global memory
+buffer): that interception point is where SP support would keep or regather it.
+
+Exactness: ``run(key)`` runs the intercepted GEMM (or fused call) on the same tensors,
+under the forward's autocast state, and accumulates it where the unsplit backward would
+have (``_accumulate``); outside ``deferring`` the layers run megatron-core's own backward.
+A backward that does not take the intercepted path keeps megatron-core's own weight
+gradient (not deferred, still exact). ``install`` and ``deferral_blockers`` run
+``split_self_check`` once per process: one tiny split and unsplit backward through
+megatron-core's linear function (no collectives; with and without bias) whose output,
+input, weight and bias gradients must be bit-identical, and whose weight gradient must
+really have been deferred. If not (a megatron-core release the interception no longer
+fits), ``deferral_blockers`` returns the reason, naming the version — the default policy
+then runs unsplit and says so in one line — and ``install`` raises NotImplementedError
+(an explicit split hint is refused before its first iteration, ``stage_work``).
 
 Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install``):
   * Unsplit, DDP's per-parameter hook (on the AccumulateGrad node) adds ``param.grad``
@@ -44,11 +72,13 @@ Megatron-core DistributedDataParallel (pass the DDP-wrapped chunks to ``install`
     overlap_grad_reduce this module raises if B or W runs with sync enabled; without
     it, sync during W is harmless. (Megatron's schedules, and rrfp's BF path, enable
     sync before the *last backward*; with the split that point is after the last W.)
-  * ``gradient_accumulation_fusion`` (CUDA + APEX): W uses megatron-core's fused kernel
-    into ``main_grad``. Untested here (no CUDA on CI).
+  * ``gradient_accumulation_fusion`` (CUDA + APEX): W makes the fused-kernel call
+    megatron-core's backward made in B (recorded, not run), into the same ``main_grad``.
+    Untested here (no CUDA on CI; the self-check covers the non-fused path only).
 
 Not supported (explicit errors): sequence parallelism (W would need the TP all-gather of
-the input, i.e. a collective in W), Megatron-FSDP parameters, and Transformer Engine
+the input, i.e. a collective in W), GTP-sharded weights (0.19's ``gtp_remat_size > 1``: a
+reduce-scatter of the weight gradient), Megatron-FSDP parameters, and Transformer Engine
 layers built with ``delay_wgrad_compute`` (see ``wgrad_te.py``). Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """
@@ -59,6 +89,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import threading
 import types
 import weakref
 from collections.abc import Iterator
@@ -66,12 +97,12 @@ from typing import Optional
 
 import torch
 from megatron.core.tensor_parallel import layers as _layers
-from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compat import MEGATRON_CORE_VERSION
 from .wgrad_te import te_delay_wgrad_reason
 
-__all__ = ["WeightGradStore", "deferral_blockers", "install"]
+__all__ = ["WeightGradStore", "deferral_blockers", "install", "split_self_check"]
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +128,11 @@ class _Work:
     """One deferred weight-gradient GEMM: everything the unsplit backward would have used."""
 
     weight: torch.nn.Parameter
-    input: torch.Tensor  # the linear's saved input (this TP rank's)
-    grad_output: torch.Tensor
+    input: torch.Tensor  # megatron's prepared total_input (this TP rank's input, 2-D)
+    grad_output: torch.Tensor  # megatron's prepared grad_output (contiguous, 2-D)
     versions: tuple[int, int]  # input._version, grad_output._version when stashed
-    main_grad: Optional[torch.Tensor]  # ctx.main_grad (gradient_accumulation_fusion)
-    fused: bool  # gradient_accumulation_fusion
+    main_grad: Optional[torch.Tensor]  # what megatron's fused call accumulates into
+    fused: Optional[tuple]  # (kernel, method) of megatron's fused call (gradient_accumulation_fusion)
     autocast: tuple[bool, Optional[torch.dtype]]  # forward's autocast state (custom_fwd)
 
 
@@ -254,11 +285,10 @@ def _run_work(work: _Work, key: Key) -> None:
     enabled, dtype = work.autocast
     autocast = torch.autocast(device_type="cuda", dtype=dtype) if enabled else contextlib.nullcontext()
     with autocast:
-        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(work.grad_output, work.input)
-        if work.fused:
-            _fused_accumulate(work, grad_output, total_input)
-        else:
-            _accumulate(work.weight, grad_output.t().matmul(total_input))
+        if work.fused is not None:
+            _fused_accumulate(work)
+        else:  # the GEMM megatron-core's backward was about to run, on the same tensors
+            _accumulate(work.weight, work.grad_output.t().matmul(work.input))
 
 
 def _accumulate(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> None:
@@ -278,21 +308,16 @@ def _accumulate(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> None:
                            "passed to install(); pass the DDP-wrapped models so W can use its gradient hook")
 
 
-def _fused_accumulate(work: _Work, grad_output, total_input) -> None:
-    """gradient_accumulation_fusion: megatron-core's fused wgrad GEMM into main_grad,
-    then DDP's hook with the dummy gradient it expects (untested: needs CUDA + APEX)."""
+def _fused_accumulate(work: _Work) -> None:
+    """gradient_accumulation_fusion: the fused-kernel call megatron-core's backward made
+    (intercepted in B), now, into the same main_grad; then DDP's hook with the dummy
+    gradient it expects (untested: needs CUDA + APEX)."""
     weight = work.weight
-    weight.main_grad = work.main_grad
-    kernel = getattr(_layers, "fused_weight_gradient_mlp_cuda", None)
+    kernel, method = work.fused
     if kernel is None:
         raise RuntimeError("wgrad: gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda")
-    if weight.main_grad.dtype == torch.float32:
-        kernel.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
-    elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
-        kernel.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
-    else:
-        raise RuntimeError(f"wgrad: main_grad dtype {weight.main_grad.dtype} is not supported by gradient "
-                           "accumulation fusion")
+    weight.main_grad = work.main_grad
+    getattr(kernel, method)(work.input, work.grad_output, work.main_grad)
     ddp = _ddp_of(weight)
     if ddp is not None and hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True  # as megatron-core's fused backward sets it
@@ -301,6 +326,145 @@ def _fused_accumulate(work: _Work, grad_output, total_input) -> None:
 
 
 # --------------------------------------------------------------------------- B
+#
+# B is megatron-core's own backward (LinearWithGradAccumulationAndAsyncCommunication.backward,
+# whatever its arguments and return tuple are in this release) with its weight-gradient GEMM
+# intercepted. That backward hands (grad_output, total_input) to
+# ``prepare_input_tensors_for_wgrad_compute`` (a global name of megatron.core.tensor_parallel.layers)
+# and then runs ``grad_output.t().matmul(total_input)`` — or, with gradient_accumulation_fusion,
+# ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32/fp16(total_input, grad_output, main_grad)``.
+# For the duration of the call both names are replaced in that module: the first returns the real
+# prepared tensors, except that total_input comes back wrapped (_DeferredInput) so the GEMM on it
+# is recognised and answered with a zero-stride placeholder instead of being computed; the second
+# records its call instead of running the kernel. Everything else (input gradient, TP all-reduce
+# of dgrad, bias gradient, reduce-scatter under sequence parallelism) is megatron-core's code.
+# The prepared pair is what W multiplies. It is the one place that receives the *gathered* input
+# under sequence parallelism (megatron's total_input: a view of its global memory buffer, which
+# the next layer overwrites — why SP is refused until W keeps its own copy or regathers).
+# A backward that does not take this path (no prepare call, or a GEMM on other operands) leaves
+# megatron-core's weight gradient in place: not deferred, still exact. install() checks once per
+# process that the path is taken and bit-exact (_split_self_check).
+
+
+class _Capture:
+    """What one intercepted megatron-core backward handed to its weight-gradient GEMM."""
+
+    __slots__ = ("grad_output", "total_input", "gemm", "fused", "main_grad")
+
+    def __init__(self) -> None:
+        self.grad_output: Optional[torch.Tensor] = None  # prepared (contiguous, 2-D)
+        self.total_input: Optional[torch.Tensor] = None
+        self.gemm = False  # the non-fused GEMM was answered with a placeholder
+        self.fused: Optional[tuple] = None  # (kernel module, method name) of the fused call
+        self.main_grad: Optional[torch.Tensor] = None
+
+    def is_weight_gemm(self, left, right) -> bool:
+        """``left @ right`` is exactly ``grad_output.t() @ total_input`` of this capture."""
+        g = self.grad_output
+        return (isinstance(right, _DeferredInput) and getattr(right, "_rrfp_capture", None) is self
+                and isinstance(left, torch.Tensor) and left.dim() == 2 and g is not None
+                and left.dtype == g.dtype and left.device == g.device and left.data_ptr() == g.data_ptr()
+                and tuple(left.shape) == (g.shape[1], g.shape[0]) and left.stride() == (g.stride(1), g.stride(0)))
+
+    @property
+    def deferred(self) -> bool:
+        return self.gemm or self.fused is not None
+
+
+_GEMMS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm})
+
+
+class _DeferredInput(torch.Tensor):
+    """megatron's prepared ``total_input`` during an intercepted backward: a plain tensor
+    for every operation except the weight-gradient GEMM of its capture, which returns a
+    zero-stride zero of the result's shape (discarded: B hands autograd the placeholder)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _GEMMS and not kwargs and len(args) == 2:
+            left, right = args
+            capture = getattr(right, "_rrfp_capture", None)
+            if capture is not None and not capture.gemm and capture.is_weight_gemm(left, right):
+                capture.gemm = True
+                dtype = torch.promote_types(left.dtype, right.dtype)
+                return torch.zeros((), dtype=dtype, device=right.device).expand(left.shape[0], right.shape[1])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _wrap(total_input: torch.Tensor, capture: _Capture) -> _DeferredInput:
+    wrapped = total_input.as_subclass(_DeferredInput)  # same storage, no copy
+    wrapped._rrfp_capture = capture
+    return wrapped
+
+
+def _plain(tensor):
+    return tensor.as_subclass(torch.Tensor) if isinstance(tensor, _DeferredInput) else tensor
+
+
+class _FusedKernelRecorder:
+    """Stands in for APEX's fused_weight_gradient_mlp_cuda during an intercepted backward:
+    the call on the capture's tensors is recorded for W; any other call runs the kernel."""
+
+    def __init__(self, kernel, capture: _Capture) -> None:
+        self._kernel, self._capture = kernel, capture
+
+    def _call(self, method: str, total_input, grad_output, main_grad):
+        capture = self._capture
+        if (capture.fused is None and getattr(total_input, "_rrfp_capture", None) is capture
+                and grad_output is capture.grad_output):
+            capture.fused, capture.main_grad = (self._kernel, method), main_grad
+            return None
+        if self._kernel is None:
+            raise RuntimeError("wgrad: gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda")
+        return getattr(self._kernel, method)(_plain(total_input), grad_output, main_grad)
+
+    def wgrad_gemm_accum_fp32(self, total_input, grad_output, main_grad):
+        return self._call("wgrad_gemm_accum_fp32", total_input, grad_output, main_grad)
+
+    def wgrad_gemm_accum_fp16(self, total_input, grad_output, main_grad):
+        return self._call("wgrad_gemm_accum_fp16", total_input, grad_output, main_grad)
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+
+_PREPARE, _FUSED = "prepare_input_tensors_for_wgrad_compute", "fused_weight_gradient_mlp_cuda"
+_MISSING = object()
+_intercepting = threading.Lock()  # one intercepted backward at a time patches the module
+_thread = threading.local()  # the capture of the backward this thread is running
+
+
+def _megatron_backward_intercepted(ctx, grad_output) -> tuple[tuple, _Capture]:
+    """megatron-core's backward, its weight-gradient GEMM recorded instead of computed.
+    Autograd may run the backward on its device thread: the module names are patched
+    under a lock and only the patching thread's calls are intercepted."""
+    capture = _Capture()
+    with _intercepting:
+        prepare = getattr(_layers, _PREPARE)
+        fused = _layers.__dict__.get(_FUSED, _MISSING)
+
+        def capturing_prepare(grad_output, total_input):
+            grad_output, total_input = prepare(grad_output, total_input)
+            if getattr(_thread, "capture", None) is not capture or capture.grad_output is not None:
+                return grad_output, total_input  # another thread's backward, or a second call
+            capture.grad_output, capture.total_input = grad_output, total_input
+            return grad_output, _wrap(total_input, capture)
+
+        _thread.capture = capture
+        setattr(_layers, _PREPARE, capturing_prepare)
+        if ctx.gradient_accumulation_fusion:
+            setattr(_layers, _FUSED, _FusedKernelRecorder(None if fused is _MISSING else fused, capture))
+        try:
+            grads = _MegatronLinearFunction.backward(ctx, grad_output)
+        finally:
+            setattr(_layers, _PREPARE, prepare)
+            if fused is _MISSING:
+                _layers.__dict__.pop(_FUSED, None)
+            else:
+                setattr(_layers, _FUSED, fused)
+            _thread.capture = None
+    return grads, capture
 
 
 class _DeferrableLinear(_MegatronLinearFunction):
@@ -318,35 +482,31 @@ class _DeferrableLinear(_MegatronLinearFunction):
         if active is None or getattr(ctx, "grad_output_buffer", None) is not None:
             # Not deferring, or megatron-core's own embedding-wgrad deferral owns this one.
             return _MegatronLinearFunction.backward(ctx, grad_output)
-        return _input_grad_only(ctx, grad_output, active)
+        return _deferred_backward(ctx, grad_output, active)
 
 
-@_layers.custom_bwd  # same autocast state as megatron-core's backward
-def _input_grad_only(ctx, grad_output, active):
+def _deferred_backward(ctx, grad_output, active):
     store, key = active
-    input, weight = ctx.saved_tensors[0], ctx.rrfp_weight
+    weight = ctx.rrfp_weight
     name = _NAMES.get(weight, "<unnamed weight>")
     if ctx.sequence_parallel:
         raise NotImplementedError(f"wgrad: {name} uses sequence parallelism; deferring its weight gradient would "
-                                  "need a TP all-gather of the input in W (not implemented)")
+                                  "need W to keep or regather the TP all-gathered input (not implemented)")
+    if getattr(ctx, "gtp_remat_size", 1) > 1:
+        raise NotImplementedError(f"wgrad: {name} is GTP-sharded (gtp_remat_size={ctx.gtp_remat_size}); its weight "
+                                  "gradient needs a reduce-scatter, which W does not issue")
     if hasattr(weight, "__fsdp_param__"):
         raise NotImplementedError(f"wgrad: {name} is a Megatron-FSDP parameter; not supported")
     placeholder = _placeholder_weight_grad(weight, key)  # may refuse: before any work
-    if ctx.gradient_accumulation_fusion:
-        weight.main_grad = ctx.main_grad  # as megatron-core's backward does (fusion: ctx has it)
-    grad_input = grad_output.matmul(weight)
-    if ctx.allreduce_dgrad:
-        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
-    grad_bias = None
-    if ctx.use_bias:
-        flat = grad_output.contiguous()
-        grad_bias = flat.view(-1, flat.shape[-1]).sum(dim=0)
+    grads, capture = _megatron_backward_intercepted(ctx, grad_output)
+    if not capture.deferred:
+        return grads  # megatron-core computed the weight gradient itself: exact, just not deferred
+    total_input, grad_output = capture.total_input, capture.grad_output
     store._stash(key, _Work(
-        weight=weight, input=input, grad_output=grad_output,
-        versions=(input._version, grad_output._version), main_grad=getattr(ctx, "main_grad", None),
-        fused=bool(ctx.gradient_accumulation_fusion),
+        weight=weight, input=total_input, grad_output=grad_output,
+        versions=(total_input._version, grad_output._version), main_grad=capture.main_grad, fused=capture.fused,
         autocast=(bool(getattr(ctx, "_fwd_used_autocast", False)), getattr(ctx, "_dtype", None))))
-    return (grad_input, placeholder, grad_bias) + (None,) * 6
+    return (grads[0], placeholder) + tuple(grads[2:])
 
 
 def _placeholder_weight_grad(weight, key: Key):
@@ -423,6 +583,67 @@ def _is_installed(module) -> bool:
     return isinstance(impl, types.MethodType) and impl.__func__ is _deferrable_forward_impl
 
 
+_SELF_CHECK: list[str] = []  # once per process: '' (exact) or why the split cannot be used
+
+
+def split_self_check() -> str:
+    """Why the B/W split cannot be used with this megatron-core ('' when it can), found
+    once per process by ``_check_split``; the reason names the megatron-core version."""
+    if not _SELF_CHECK:
+        try:
+            problem = _check_split()
+        except Exception as exc:  # a split that raises is exactly what this must catch
+            problem = f"its split backward raised {type(exc).__name__}: {exc}"
+        _SELF_CHECK.append(f"megatron-core {MEGATRON_CORE_VERSION}: the B/W split self-check failed: {problem}"
+                           if problem else "")
+    return _SELF_CHECK[0]
+
+
+def _check_split() -> str:
+    """One tiny backward through megatron-core's own linear function, unsplit and split
+    (no collectives), with and without bias: outputs, input, weight and bias gradients
+    must be bit-identical, and the weight gradient must really have been deferred."""
+    wrapper = inspect.signature(_layers.linear_with_grad_accumulation_and_async_allreduce)
+    forward = [p for p in inspect.signature(_MegatronLinearFunction.forward).parameters if p != "ctx"]
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, g = (torch.randn(*shape, generator=gen) for shape in ((3, 2, 4), (5, 4), (5,), (3, 2, 5)))
+    for with_bias in (True, False):
+        results = []
+        for split in (False, True):
+            inputs = x.clone().requires_grad_()
+            weight = torch.nn.Parameter(w.clone())
+            bias = torch.nn.Parameter(b.clone()) if with_bias else None
+            bound = wrapper.bind(inputs, weight, bias, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                                 sequence_parallel=False)
+            bound.apply_defaults()
+            args = [bound.arguments[name] for name in forward]
+            store = WeightGradStore()
+            with torch.enable_grad():
+                if split:
+                    out = _DeferrableLinear.apply(*args)
+                    with store.deferring((0, 0)):
+                        out.backward(g)
+                    if weight.grad is not None or not store.pending_bytes():
+                        return ("its linear backward did not run its weight-gradient GEMM on what "
+                                f"{_PREPARE} returned, so the split cannot intercept it")
+                    store.run((0, 0))
+                else:
+                    out = _MegatronLinearFunction.apply(*args)
+                    out.backward(g)
+            results.append((out, inputs.grad, weight.grad, None if bias is None else bias.grad))
+        names = ("output", "input gradient", "weight gradient", "bias gradient")
+        differ = [name for name, a, c in zip(names, *results, strict=True) if not _identical(a, c)]
+        if differ:
+            return f"split and unsplit {', '.join(differ)} differ{'' if with_bias else ' (no bias)'}"
+    return ""
+
+
+def _identical(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 def install(models: list[torch.nn.Module]) -> None:
     """Prepare megatron-core's Column/RowParallelLinear layers in ``models`` (the model
     chunks, DDP-wrapped or not) for ``WeightGradStore.deferring``. Idempotent.
@@ -435,6 +656,9 @@ def install(models: list[torch.nn.Module]) -> None:
     """
     from megatron.core.distributed import DistributedDataParallel
 
+    problem = split_self_check()
+    if problem:
+        raise NotImplementedError(f"wgrad: {problem}")
     to_patch, unsupported = [], []
     for index, model in enumerate(models):
         for module_name, module in model.named_modules():
@@ -472,7 +696,9 @@ def deferral_blockers(models: list[torch.nn.Module]) -> list[str]:
     nothing: layers ``install`` refuses, or no megatron-core linear to defer at all (e.g.
     only Transformer Engine layers). The default policy splits the backward only if empty."""
     modules = [(index, name, module) for index, model in enumerate(models) for name, module in model.named_modules()]
-    blockers = [_blocker(index, name, module, reason) for index, name, module in modules
+    problem = split_self_check()
+    blockers = [problem] if problem else []
+    blockers += [_blocker(index, name, module, reason) for index, name, module in modules
                 if (reason := _unsupported_reason(module))]
     if not any(_is_patchable(module) and _trainable_weight(module) is not None for _, _, module in modules):
         blockers.append("no trainable megatron-core ColumnParallelLinear / RowParallelLinear whose weight "
@@ -487,6 +713,8 @@ def _blocker(index: int, name: str, module, reason: str) -> str:
 def _unsupported_reason(module) -> str:
     if _is_patchable(module) and getattr(module, "sequence_parallel", False):
         return "sequence_parallel=True (W would need a TP all-gather of the input)"
+    if _is_patchable(module) and getattr(module, "gtp_remat_size", 1) > 1:
+        return f"GTP-sharded weight (gtp_remat_size={module.gtp_remat_size}; W would need a reduce-scatter)"
     return te_delay_wgrad_reason(module)
 
 
