@@ -45,7 +45,8 @@ CASES = {  # id: (script, flags)
     "hybrid-pp2-2chunks": ("pretrain_hybrid.py", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern",
                                                   "*-|*-|*-|*-", *HYBRID_SPEC]),
 }
-LOSS = re.compile(r"^ \[[^\]]+\] iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", re.MULTILINE)
+# not anchored: another rank's memory report can end on the same line (no newline between them)
+LOSS = re.compile(r"\[[^\]]+\] iteration\s+(\d+)/\s*\d+ \|[^\n]*? lm loss: (\S+) \|")
 LAUNCH_TIMEOUT_S = 900
 
 
