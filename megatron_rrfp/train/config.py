@@ -240,7 +240,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "--wandb-project needs --wandb-save-dir DIR (or --save DIR: then SAVE/wandb)")
     _require(c.tensorboard_log_interval >= 1,
              f"--tensorboard-log-interval must be >= 1, got {c.tensorboard_log_interval}")
-    _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt only")
+    _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt and hybrid only")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
     _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.train.recipes.multimodal") is not None,
