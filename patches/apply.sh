@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Add `import megatron_rrfp; megatron_rrfp.install()` to a Megatron-LM checkout's
-# pretrain_gpt.py and pretrain_vlm.py (the only change the patches make).
+# pretrain_gpt.py and pretrain_vlm.py, and from 0.18 on also pretrain_hybrid.py (the only
+# change the patches make).
 #
 #   patches/apply.sh CHECKOUT
 #
@@ -22,7 +23,6 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 line='import megatron_rrfp; megatron_rrfp.install()'
-files=(pretrain_gpt.py pretrain_vlm.py)
 
 die() { echo "apply.sh: $*" >&2; exit 1; }
 
@@ -31,23 +31,24 @@ die() { echo "apply.sh: $*" >&2; exit 1; }
 checkout="$(cd "$1" && pwd -P)"
 info="$checkout/megatron/core/package_info.py"
 [[ -f "$info" ]] || die "$checkout is not a Megatron-LM checkout: $info not found"
-for file in "${files[@]}"; do
-    [[ -f "$checkout/$file" ]] || die "$checkout has no $file (a megatron-core wheel or a partial checkout?);" \
-        "use 'python -m megatron_rrfp.launch SCRIPT ...' instead"
-done
 
 field() { sed -n "s/^$1 *= *\([0-9][0-9]*\).*/\1/p" "$info" | head -n 1; }
 release="$(field MAJOR).$(field MINOR).$(field PATCH)"
 [[ "$release" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "could not read the release from $info (got '$release')"
 
-# major.minor -> patch; the entry scripts' opening lines changed at 0.16 and at 0.18.
+# major.minor -> patch; the entry scripts' opening lines changed at 0.16 and at 0.18, where
+# pretrain_hybrid.py (HybridModel) appeared.
 case "${release%.*}" in
-    0.15)      patch="megatron-lm-core_v0.15.0.patch" ;;
-    0.16|0.17) patch="megatron-lm-core_v0.16.1.patch" ;;
-    0.18|0.19) patch="megatron-lm-core_v0.19.0.patch" ;;
+    0.15)      patch="megatron-lm-core_v0.15.0.patch"; files=(pretrain_gpt.py pretrain_vlm.py) ;;
+    0.16|0.17) patch="megatron-lm-core_v0.16.1.patch"; files=(pretrain_gpt.py pretrain_vlm.py) ;;
+    0.18|0.19) patch="megatron-lm-core_v0.19.0.patch"; files=(pretrain_gpt.py pretrain_hybrid.py pretrain_vlm.py) ;;
     *) die "Megatron-LM release $release is not supported (0.15.x - 0.19.x);" \
            "use 'python -m megatron_rrfp.launch SCRIPT ...', which needs no edit" ;;
 esac
+for file in "${files[@]}"; do
+    [[ -f "$checkout/$file" ]] || die "$checkout has no $file (a megatron-core wheel or a partial checkout?);" \
+        "use 'python -m megatron_rrfp.launch SCRIPT ...' instead"
+done
 
 has_line() { grep -qxF "$line" "$checkout/$1"; }
 present=0

@@ -396,6 +396,7 @@ def _fake_checkout(root, minor: int, patch: int):
     (14, 0, "is not supported (0.15.x - 0.19.x)"),
     (20, 0, "is not supported (0.15.x - 0.19.x)"),
     (16, 1, "does not apply"),  # supported release, but the scripts differ: nothing is changed
+    (19, 0, "has no pretrain_hybrid.py"),  # 0.18+ checkouts have HybridModel's entry script too
 ])
 def test_apply_sh_refuses_with_a_clear_message(tmp_path, minor, patch, message):
     checkout = _fake_checkout(tmp_path / "Megatron-LM", minor, patch)
@@ -437,7 +438,9 @@ def test_apply_sh_adds_the_line_even_inside_another_repository_and_only_once(tmp
     script = ["bash", os.path.join(REPO, "patches", "apply.sh"), str(checkout)]
     proc = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and f"applied {patch_name}" in proc.stdout, proc.stdout + proc.stderr
-    for name in ("pretrain_gpt.py", "pretrain_vlm.py"):
+    names = _patched_files(patch_name)
+    assert ("pretrain_hybrid.py" in names) == (release >= "0.18"), names  # HybridModel's entry script, 0.18+
+    for name in names:
         assert (checkout / name).read_text().splitlines().count(INSTALL_LINE) == 1, name
     again = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "already has the line" in again.stdout, again.stdout + again.stderr
@@ -446,11 +449,18 @@ def test_apply_sh_adds_the_line_even_inside_another_repository_and_only_once(tmp
     assert partial.returncode == 1 and "only some of" in partial.stderr, partial.stderr
 
 
+def _patched_files(patch_name: str) -> list[str]:
+    with open(os.path.join(REPO, "patches", patch_name)) as f:
+        return [section.split()[0][2:] for section in f.read().split("diff --git ")[1:]]
+
+
 def test_patches_add_only_the_install_line():
     for name in PATCHES:
         with open(os.path.join(REPO, "patches", name)) as f:
             lines = f.read().splitlines()
         added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
         removed = [line for line in lines if line.startswith("-") and not line.startswith("---")]
-        assert added == ["+import megatron_rrfp; megatron_rrfp.install()"] * 2 and removed == [], name
+        files = _patched_files(name)
+        assert added == ["+import megatron_rrfp; megatron_rrfp.install()"] * len(files) and removed == [], name
+        assert files[0] == "pretrain_gpt.py" and "pretrain_vlm.py" in files, (name, files)
         assert not any("copyright" in line.lower() for line in lines), name

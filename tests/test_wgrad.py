@@ -156,6 +156,9 @@ def _split(kind, ddp, pre_process):
             for mb in W_ORDER:
                 store.run((mb, 0))
         if ddp:
+            from megatron_rrfp.mcore.compat import start_unissued_grad_syncs
+
+            start_unissued_grad_syncs([model])  # what the executor's finalize does first (0.15: see there)
             model.finish_grad_sync()
         grads.append(_grads(stage))
     return {

@@ -19,7 +19,8 @@ def add_bench_parsers(sub) -> None:
         demo = name == "demo"
         p = sub.add_parser(name, help=("the 3-minute CPU demo: Megatron 1F1B vs RRFP on a real GPTModel" if demo
                                        else "measure schedules on real megatron-core models (every knob)"))
-        p.add_argument("--model", default="gpt", choices=("gpt", "multimodal"))
+        p.add_argument("--model", default="gpt", choices=("gpt", "hybrid", "multimodal"),
+                       help="hybrid: megatron-core's HybridModel (>= 0.18), an attention and an MLP layer per chunk")
         p.add_argument("--pp", type=bounds["--pp"], default=4, help="pipeline stages (one process each locally)")
         p.add_argument("--chunks", type=bounds["--chunks"], default=1,
                        help="model chunks per stage; > 1 compares Megatron's interleaved schedule with RRFP")

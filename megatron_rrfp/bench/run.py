@@ -45,7 +45,8 @@ class BenchConfig:
     """One benchmark run."""
 
     model: str = "gpt"
-    """gpt (megatron-core GPTModel, local spec) or multimodal (vision encoder + GPT decoder)."""
+    """gpt (megatron-core GPTModel, local spec), hybrid (HybridModel, megatron-core >= 0.18: one attention
+    and one MLP layer per model chunk, local layers) or multimodal (vision encoder + GPT decoder)."""
     pipeline_size: int = 4
     num_chunks: int = 1
     """Model chunks per stage: > 1 compares Megatron's *interleaved* schedule with RRFP on chunks."""
@@ -122,13 +123,18 @@ class BenchConfig:
             raise ValueError("--schedules must include megatron-1f1b: speedups are measured against it")
         if self.pipeline_size < 2:
             raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
-        if self.model not in ("gpt", "multimodal"):
-            raise ValueError(f"--model {self.model!r}: choose gpt or multimodal")
+        if self.model not in ("gpt", "hybrid", "multimodal"):
+            raise ValueError(f"--model {self.model!r}: choose gpt, hybrid or multimodal")
+        if self.model == "hybrid":
+            from ..mcore.compat import hybrid_model_unavailable
+
+            if hybrid_model_unavailable():
+                raise ValueError(f"--model hybrid: {hybrid_model_unavailable()}; use --model gpt on this release")
         if self.sequence_parallel and (self.tensor_parallel < 2 or self.model != "gpt"):
             raise ValueError(f"--sequence-parallel needs --tp > 1 and --model gpt (got --tp {self.tensor_parallel}, "
                              f"--model {self.model})")
-        if self.num_chunks < 1 or (self.num_chunks > 1 and self.model != "gpt"):
-            raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt only")
+        if self.num_chunks < 1 or (self.num_chunks > 1 and self.model == "multimodal"):
+            raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt or hybrid")
         self._check_values_and_layout()
 
     def _check_values_and_layout(self) -> None:
@@ -190,14 +196,20 @@ def _build_stage(config: BenchConfig):
 
     from ..train import models
 
-    if config.model == "gpt":
+    if config.model in ("gpt", "hybrid"):
         # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
         tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1,
                                          sequence_parallel=config.sequence_parallel,
                                          **_moe_options(config.workload))
-        chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
-                                         vp_stage=c if config.num_chunks > 1 else None)
-                  for c in range(config.num_chunks)]
+        vp_stages = [c if config.num_chunks > 1 else None for c in range(config.num_chunks)]
+        if config.model == "gpt":
+            chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
+                                             vp_stage=vp) for vp in vp_stages]
+        else:  # as many layers as the GPT stages (tiny_gpt_config: 2 per chunk), as attention + MLP layers
+            pattern = "|".join(["*-"] * (config.pipeline_size * config.num_chunks))
+            chunks = [models.build_hybrid_stage(tconfig, hybrid_layer_pattern=pattern, vocab_size=128,
+                                                seq_length=config.seq_length, seed=config.seed, vp_stage=vp)
+                      for vp in vp_stages]
 
         def data(seed: int):
             seed += 1_000_003 * parallel_state.get_data_parallel_rank()  # each replica its own tokens

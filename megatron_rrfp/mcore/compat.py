@@ -107,6 +107,7 @@ def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage: bool
 
 
 def finalize_model_grads(config, models, num_tokens, *, pg_collection, force_all_reduce) -> None:
+    start_unissued_grad_syncs(models)
     fn = config.finalize_model_grads_func
     kwargs = _accepted(fn, dict(pg_collection=pg_collection, force_all_reduce=force_all_reduce))
     fn(models, num_tokens, **kwargs)
@@ -122,6 +123,25 @@ def mlp_submodules(mlp_spec):
         raise TypeError(f"megatron_rrfp: cannot find the MLP submodules in the layer spec's mlp entry {mlp_spec!r} "
                         f"(megatron-core {MEGATRON_CORE_VERSION})")
     return submodules
+
+
+def start_unissued_grad_syncs(models) -> None:
+    """overlap_grad_reduce DDP on megatron-core 0.15: launch the reductions no hook launched.
+
+    With the B/W split every B and W runs under no_sync (mcore/wgrad.py), so no parameter is
+    ever counted ready. 0.16+'s finish_grad_sync then starts the reduction itself (a bucket
+    group with no readiness counted stays in its ``is_first_batch`` mode); 0.15's has no such
+    mode and asserts that a hook launched it. Starting it here is what 0.16+ does. Groups a
+    hook did launch (sync enabled before the last backward, unsplit) have a handle: untouched.
+    """
+    for model in models:
+        ddp_config = getattr(model, "ddp_config", None)
+        if ddp_config is None or not getattr(ddp_config, "overlap_grad_reduce", False):
+            continue
+        groups = list(getattr(model, "bucket_groups", [])) + list(getattr(model, "expert_parallel_bucket_groups", []))
+        for group in groups:
+            if not hasattr(group, "is_first_batch") and getattr(group, "grad_reduce_handle", 0) is None:
+                group.start_grad_sync()
 
 
 def expert_parallel_size() -> int:
@@ -231,3 +251,21 @@ def _is_multi_module_collection(collection) -> bool:
     except ImportError:
         return False
     return isinstance(collection, MultiModuleProcessGroupCollection)
+
+
+# --------------------------------------------------------------------------- HybridModel
+#
+# megatron.core.models.hybrid (HybridModel, HybridStack, --hybrid-layer-pattern with '|'
+# between pipeline segments) first ships in 0.18.0. 0.15 - 0.17 have only MambaModel, whose
+# hybrid_override_pattern cannot place segments on stages and refuses virtual pipelines:
+# no stand-in for the same model, so --model hybrid is refused there.
+
+HYBRID_MODEL_SINCE = Version("0.18.0")
+
+
+def hybrid_model_unavailable() -> str:
+    """Why HybridModel cannot be built with the installed megatron-core (empty if it can)."""
+    if MEGATRON_CORE_VERSION.release >= HYBRID_MODEL_SINCE.release:
+        return ""
+    return (f"megatron-core's HybridModel needs megatron-core >= {HYBRID_MODEL_SINCE.major}."
+            f"{HYBRID_MODEL_SINCE.minor} (installed: {MEGATRON_CORE_VERSION})")

@@ -89,10 +89,12 @@ def rebind_loaded(name: str, old, new, *, exclude: tuple = ()) -> list[types.Mod
 # traces (--rrfp-trace-dir) around Megatron-LM's own training loop, without editing it, by
 # wrapping names of megatron.training.training. Checked against the core_v0.16.1 and
 # core_v0.19.0 tags of Megatron-LM:
-#   pretrain                   the entry point. Entry scripts bind it by name (pretrain_gpt.py:
-#                              `from megatron.training import pretrain`; megatron/training/
-#                              __init__.py re-exports it), so it is rebound in every loaded module
-#                              that holds it (rebind_loaded), before the entry script runs.
+#   pretrain                   the entry point. Entry scripts bind it by name (pretrain_gpt.py, and
+#                              0.18+'s pretrain_hybrid.py: `from megatron.training import pretrain`;
+#                              megatron/training/__init__.py re-exports it), so it is rebound in every
+#                              loaded module that holds it (rebind_loaded), before the entry script
+#                              runs. 0.19's scripts pass it through inprocess_restart's wrapper in
+#                              __main__, after install(): the wrapped one is what gets wrapped.
 #                              0.16.1 - 0.19: it can end in sys.exit(exit_code) (train() on
 #                              --exit-interval / --exit-duration-in-mins / a signal; 0 = clean).
 #   setup_model_and_optimizer  called by pretrain through training.py's module globals, after

@@ -30,6 +30,11 @@ which Megatron builds its dataset helpers at start-up::
         --no-gradient-accumulation-fusion --attention-dropout 0 --hidden-dropout 0 --seed 1234
 
 ``--clip-grad 0``: Megatron's gradient clipping asserts CUDA tensors.
+
+HybridModel (Megatron-LM 0.18+): ``$MEGATRON_LM/pretrain_hybrid.py`` with the same flags,
+``--hybrid-layer-pattern '*-|*-'`` instead of ``--num-layers`` and ``--spec
+megatron_rrfp.mcore.hybrid_spec hybrid_stack_spec`` (local attention / MLP layers; the
+stock spec needs Transformer Engine).
 """
 from __future__ import annotations
 

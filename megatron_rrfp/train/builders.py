@@ -1,7 +1,8 @@
 """The pieces ``megatron-rrfp train`` assembles, each from megatron-core's own parts.
 
-  build_model       GPTModel (local spec) or the multimodal recipe's stage, wrapped in
-                    megatron-core's DistributedDataParallel like Megatron-LM's get_model
+  build_model       GPTModel (local spec), HybridModel (mcore/hybrid_spec.py) or the multimodal
+                    recipe's stage, wrapped in megatron-core's DistributedDataParallel like
+                    Megatron-LM's get_model
   build_optimizer   get_megatron_optimizer(OptimizerConfig) + OptimizerParamScheduler
                     (linear warmup, cosine decay to --min-lr, steps = iterations)
   build_schedule    the forward-backward function: megatron-core's own (1f1b) or
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import models
+from . import hybrid, models
 from .config import moe_options
 from .recipes import multimodal
 
@@ -39,7 +40,8 @@ def multimodal_spec(cfg):
 def transformer_config(cfg):
     """The decoder's TransformerConfig: the repo's tiny CPU-safe defaults (fp32, no
     dropout, no fused kernels, CPU initialisation) with the run's sizes."""
-    sizes = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+    num_layers = hybrid.pattern_layers(cfg.hybrid_layer_pattern) if cfg.model == "hybrid" else cfg.num_layers
+    sizes = dict(num_layers=num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
                  ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size)
     if cfg.model == "multimodal":
         return multimodal.multimodal_config(**sizes)
@@ -59,6 +61,9 @@ def build_model(cfg, device: torch.device):
     if cfg.model == "multimodal":
         recipe = multimodal
         stage = recipe.build_multimodal_stage(config, multimodal_spec(cfg), seed=cfg.seed)
+    elif cfg.model == "hybrid":
+        stage = models.build_hybrid_stage(config, hybrid_layer_pattern=cfg.hybrid_layer_pattern,
+                                          vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
     else:
         stage = models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
     stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved

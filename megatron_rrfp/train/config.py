@@ -36,7 +36,12 @@ def _shared(default):  # defined by options.add_rrfp_arguments
 class TrainConfig:
     # model
     model: str = _flag("gpt", "gpt: megatron-core GPTModel (local spec); multimodal: the ViT + GPT recipe "
-                       "(megatron_rrfp.recipes.multimodal)", "model", choices=("gpt", "multimodal"))
+                       "(megatron_rrfp.recipes.multimodal); hybrid: megatron-core's HybridModel (>= 0.18) with "
+                       "local layers (megatron_rrfp.mcore.hybrid_spec), layers from --hybrid-layer-pattern", "model",
+                       choices=("gpt", "multimodal", "hybrid"))
+    hybrid_layer_pattern: Optional[str] = _flag(None, "--model hybrid: one symbol per layer, * attention, - MLP, with "
+                                                "| between pipeline stages (e.g. '*-*-|*-*-'); sets the layer count "
+                                                "(--num-layers is not used)", "model", type=str)
     num_layers: int = _flag(4, "decoder layers, split evenly over pipeline stages", "model")
     hidden_size: int = _flag(64, "decoder width", "model")
     num_attention_heads: int = _flag(4, "attention heads (divisible by the tensor-parallel size)", "model")
@@ -202,6 +207,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    if config.model == "hybrid" and config.hybrid_layer_pattern:  # as Megatron-LM: the pattern sets the count
+        from .hybrid import pattern_layers
+
+        config = dataclasses.replace(config, num_layers=pattern_layers(config.hybrid_layer_pattern))
     validate(config)
     return config
 
@@ -229,7 +238,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              f"--num-attention-heads {c.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     _require(c.vocab_size % tp == 0,
              f"--vocab-size {c.vocab_size} is not divisible by --tensor-model-parallel-size {tp}")
-    _require(c.num_layers % pp == 0,
+    _require(c.model == "hybrid" or c.num_layers % pp == 0,
              f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     _require(c.global_batch_size % c.micro_batch_size == 0,
              f"--global-batch-size {c.global_batch_size} is not a multiple of --micro-batch-size {c.micro_batch_size}")
@@ -255,7 +264,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     _require(not c.sequence_parallel or tp > 1,
              f"--sequence-parallel needs --tensor-model-parallel-size > 1 (got {tp})")
     _require(not c.sequence_parallel or c.model == "gpt", "--sequence-parallel is offered for --model gpt only")
-    _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt only")
+    _require(not (c.bf16 and c.model == "multimodal"), "--bf16 is offered for --model gpt and hybrid only")
     _require(c.model != "multimodal" or c.data_path is None,
              "--data-path holds text tokens; --model multimodal trains on synthetic image+text batches only")
     _require(c.model != "multimodal" or importlib.util.find_spec("megatron_rrfp.train.recipes.multimodal") is not None,
@@ -263,6 +272,11 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     if c.model == "multimodal":
         _check_multimodal(c)
     _check_moe(c)
+    _require(c.model == "hybrid" or c.hybrid_layer_pattern is None, "--hybrid-layer-pattern needs --model hybrid")
+    if c.model == "hybrid":
+        from .hybrid import check_hybrid
+
+        check_hybrid(c)
     if world_size is not None:
         check_layout(c, world_size)
 

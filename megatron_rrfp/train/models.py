@@ -17,8 +17,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-__all__ = ["build_gpt_stage", "gpt_forward_step", "parallel_sizes", "roles_of", "stage_roles", "stage_seed",
-           "synthetic_gpt_batches", "tiny_gpt_config"]
+__all__ = ["build_gpt_stage", "build_hybrid_stage", "gpt_forward_step", "parallel_sizes", "roles_of", "stage_roles",
+           "stage_seed", "synthetic_gpt_batches", "tiny_gpt_config"]
 
 
 # --------------------------------------------------------------------------- config
@@ -141,6 +141,28 @@ def _layer_spec(config: TransformerConfig, vp_stage, pp_rank):
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelTorchNorm)
+
+
+def build_hybrid_stage(config: TransformerConfig, *, hybrid_layer_pattern: str, vocab_size: int, seq_length: int,
+                       seed: int, pre_process: bool | None = None, post_process: bool | None = None,
+                       vp_stage: int | None = None):
+    """This rank's HybridModel stage (megatron-core >= 0.18) with the local stack spec
+    (mcore/hybrid_spec.py); the pattern's '|' segments pick its layers (segment
+    vp_stage x PP + pp rank). Initialised, embedded and fed like ``build_gpt_stage``
+    (learned absolute positions, untied output layer), so ``gpt_forward_step`` drives it."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from ..mcore.hybrid_spec import hybrid_stack_spec
+
+    pre_process, post_process = stage_roles(pre_process, post_process, vp_stage)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stage_seed(seed, pp_rank, vp_stage))
+        return HybridModel(config=config, hybrid_stack_spec=hybrid_stack_spec, vocab_size=vocab_size,
+                           max_sequence_length=seq_length, hybrid_layer_pattern=hybrid_layer_pattern,
+                           pre_process=pre_process, post_process=post_process,
+                           share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+                           vp_stage=vp_stage)
 
 
 def synthetic_gpt_batches(*, seed: int, micro_batch_size: int, seq_length: int,

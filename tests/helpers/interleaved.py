@@ -35,9 +35,14 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     seq, mbs, vocab = 16, 2, 64
 
     def build(reference: bool):
-        config = models.tiny_gpt_config(num_layers=pp * chunks, **(moe_options() if model == "moe" else {}))
+        config = models.tiny_gpt_config(num_layers=(2 if model == "hybrid" else 1) * pp * chunks,
+                                        **(moe_options() if model == "moe" else {}))
         if reference:
             config.batch_p2p_comm = False
+        if model == "hybrid":  # one attention + one MLP layer per model chunk
+            pattern = "|".join(["*-"] * (pp * chunks))
+            return [models.build_hybrid_stage(config, hybrid_layer_pattern=pattern, vocab_size=vocab, seq_length=seq,
+                                              seed=5, vp_stage=c) for c in range(chunks)]
         if model in ("gpt", "moe"):
             return [models.build_gpt_stage(config, vocab_size=vocab, seq_length=seq, seed=5, vp_stage=c)
                     for c in range(chunks)]
@@ -46,13 +51,13 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     def data(iteration: int):
         if model == "moe":  # each data-parallel replica its own data: the experts' loads differ
             iteration += 1000 * parallel_state.get_data_parallel_rank()
-        if model in ("gpt", "moe"):
+        if model in ("gpt", "moe", "hybrid"):
             return [models.synthetic_gpt_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                                  vocab_size=vocab) for _ in range(chunks)]
         return [mlp.synthetic_mlp_batches(seed=50 + iteration, micro_batch_size=mbs, seq_length=seq,
                                              hidden_size=32) for _ in range(chunks)]
 
-    step = models.gpt_forward_step if model in ("gpt", "moe") else mlp.mlp_forward_step
+    step = mlp.mlp_forward_step if model == "mlp" else models.gpt_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
     options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint)
