@@ -279,7 +279,7 @@ def _ddp_refusals() -> dict:
 
 
 def sequence_parallel_installs() -> list[str]:
-    """Sequence parallelism is no longer a blocker (B keeps the gathered input for W); the
+    """Sequence parallelism is no longer a blocker (W re-gathers the saved local input); the
     split's equivalence under SP is tests/test_executor.py's TP2xPP2 case."""
     from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.train import models
