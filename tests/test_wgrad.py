@@ -11,6 +11,8 @@ children.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from helpers import mlp
@@ -282,7 +284,7 @@ def _ddp_refusals() -> dict:
 
 
 def sequence_parallel_installs() -> list[str]:
-    """Sequence parallelism is no longer a blocker (B keeps the gathered input for W); the
+    """Sequence parallelism is no longer a blocker (W re-gathers the saved local input); the
     split's equivalence under SP is tests/test_executor.py's TP2xPP2 case."""
     from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.train import models
@@ -291,6 +293,43 @@ def sequence_parallel_installs() -> list[str]:
     stage = mlp.build_mlp_stage(config, seed=1)
     wgrad.install([stage])
     return wgrad.deferral_blockers([stage])
+
+
+def sequence_parallel_w_regathers() -> dict:
+    """An SP column-parallel linear split: B's store holds only the local input and the
+    output gradient (not the TP-gathered input), and W's re-gather gives the unsplit
+    weight gradient."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.train import models
+
+    config = models.tiny_gpt_config(sequence_parallel=True)
+    hidden, tp = config.hidden_size, torch.distributed.get_world_size()
+    gen = torch.Generator().manual_seed(5 + torch.distributed.get_rank())
+    x = torch.randn(SEQ // tp, MBS, hidden, generator=gen)  # this rank's sequence shard
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(1)
+        linear = ColumnParallelLinear(hidden, 4 * hidden, config=config, init_method=config.init_method,
+                                      bias=False, gather_output=False)
+        store = wgrad.WeightGradStore()
+        if split:
+            wgrad.install([linear])
+        inputs = x.clone().requires_grad_()
+        out, _ = linear(inputs)
+        g = torch.ones_like(out)
+        with store.deferring((0, 0)) if split else contextlib.nullcontext():
+            out.backward(g)
+        if split:
+            held = store.pending_bytes()
+            deferred_before_w = linear.weight.grad is None
+            store.run((0, 0))
+        grads.append(linear.weight.grad.clone())
+    local = x.numel() * x.element_size()
+    return {"held": held, "expected": local + g.numel() * g.element_size(), "gathered": tp * local,
+            "deferred": deferred_before_w, "max_err": float((grads[0] - grads[1]).abs().max())}
 
 
 def _break_split_contract() -> None:
@@ -359,7 +398,8 @@ def single_process_suite(cases) -> dict:
 
 
 def tp2_suite(cases) -> dict:
-    return {"compare": compare_split(cases), "sequence_parallel": sequence_parallel_installs()}
+    return {"compare": compare_split(cases), "sequence_parallel": sequence_parallel_installs(),
+            "sp_regather": sequence_parallel_w_regathers()}
 
 
 # --------------------------------------------------------------------------- tests
@@ -411,6 +451,8 @@ def test_tp2_split_equals_unsplit_and_sequence_parallel_is_no_blocker():
     for out in outs:
         _check(out["compare"])
         assert not any("sequence" in b for b in out["sequence_parallel"]), out["sequence_parallel"]
+        sp = out["sp_regather"]  # B kept the local input + output gradient only; W re-gathered
+        assert sp["deferred"] and sp["held"] == sp["expected"] and sp["max_err"] <= TOL, sp
 
 
 def test_default_policy_splits_the_backward_only_where_every_stage_can():

@@ -38,7 +38,8 @@ megatron-core's code; B then replaces element 1 of the tuple (the weight gradien
 lock and restored in a ``finally``; only the patching thread's calls are intercepted
 (autograd may run the backward on its device thread). Under sequence parallelism the
 recorded total_input is the TP all-gathered input (a view of megatron's global memory
-buffer): B keeps a copy of it for W (see "Sequence parallelism" below).
+buffer): B keeps only the saved local input and W gathers it again (see "Sequence
+parallelism" below).
 
 Exactness: ``run(key)`` runs the intercepted GEMM (or fused call) on the same tensors,
 under the forward's autocast state, and accumulates it where the unsplit backward would
@@ -85,9 +86,17 @@ no collective: the all-to-alls stay in F and B).
 Transformer Engine modules (``models`` given to the store): their own deferral, driven
 from ``deferring`` / ``run`` (``wgrad_te.py``).
 
-Sequence parallelism: a column-parallel linear's B keeps a copy of megatron's TP-gathered
-input for its W (no collective in W; the copy is TP x the saved input, counted by the store
-and the memory meter until W runs).
+Sequence parallelism: a column-parallel linear's B keeps only the local input autograd saved
+(the store and the memory meter count it, as for any linear), and W all-gathers it over the
+linear's ``ctx.tp_group`` with megatron-core's own ``dist_all_gather_func`` into its global
+"mpu" buffer right before the GEMM (``_gathered_input``) — so the split holds no more than
+1F1B does. That TP collective inside W matches across TP ranks because every rank of the
+agreement group dispatches the identical task sequence, W included (``runtime/agreement.py``:
+the agreed task universe holds every W of a split iteration, each dispatch enters the digest
+checked at every exchange), and W runs its works in B's fixed order; on NCCL it is issued on
+the compute stream like the TP collectives inside F and B (``runtime/rounds.py``). Known
+cost: megatron's backward in B still does its own all-gather for the GEMM that B then skips —
+one wasted TP all-gather per SP linear and microbatch, kept so that B stays megatron's code.
 
 Not supported (explicit errors): GTP-sharded weights (0.19's
 ``gtp_remat_size > 1``: a reduce-scatter of the weight gradient), grouped-GEMM experts
@@ -141,12 +150,13 @@ class _Work:
     """One deferred weight-gradient GEMM: everything the unsplit backward would have used."""
 
     weight: torch.nn.Parameter
-    input: torch.Tensor  # megatron's prepared total_input (this TP rank's input, 2-D)
+    input: torch.Tensor  # megatron's prepared total_input (2-D); under SP this rank's saved local input
     grad_output: torch.Tensor  # megatron's prepared grad_output (contiguous, 2-D)
     versions: tuple[int, int]  # input._version, grad_output._version when stashed
     main_grad: Optional[torch.Tensor]  # what megatron's fused call accumulates into
     fused: Optional[tuple]  # (kernel, method) of megatron's fused call (gradient_accumulation_fusion)
     autocast: tuple[bool, Optional[torch.dtype]]  # forward's autocast state (custom_fwd)
+    gather: Optional[tuple] = None  # SP: (tp_group, shape of megatron's prepared total_input); W re-gathers
 
 
 @dataclasses.dataclass(slots=True)
@@ -312,11 +322,26 @@ def _run_work(work: _Work, key: Key) -> None:
                            f"place after B (versions {work.versions} -> {now}); the weight gradient would be wrong")
     enabled, dtype = work.autocast
     autocast = torch.autocast(device_type="cuda", dtype=dtype) if enabled else contextlib.nullcontext()
+    total_input = work.input if work.gather is None else _gathered_input(work)
     with autocast:
         if work.fused is not None:
-            _fused_accumulate(work)
+            _fused_accumulate(work, total_input)
         else:  # the GEMM megatron-core's backward was about to run, on the same tensors
-            _accumulate(work.weight, work.grad_output.t().matmul(work.input))
+            _accumulate(work.weight, work.grad_output.t().matmul(total_input))
+
+
+def _gathered_input(work: _Work) -> torch.Tensor:
+    """Sequence parallelism: the TP all-gather of the saved local input, exactly as
+    megatron-core's backward makes it (its gather function, into its global "mpu" buffer,
+    on the linear's tp_group), viewed as the 2-D total_input its GEMM multiplied. The
+    buffer is only read by the GEMM right after, as in megatron's own backward."""
+    tp_group, shape = work.gather
+    local = work.input
+    size = list(local.size())
+    size[0] *= tp_group.size()
+    buffer = _layers.get_global_memory_buffer().get_tensor(size, local.dtype, "mpu")
+    _layers.dist_all_gather_func(buffer, local.contiguous(), group=tp_group)
+    return buffer.view(shape)
 
 
 def _accumulate(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> None:
@@ -336,7 +361,7 @@ def _accumulate(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> None:
                            "passed to install(); pass the DDP-wrapped models so W can use its gradient hook")
 
 
-def _fused_accumulate(work: _Work) -> None:
+def _fused_accumulate(work: _Work, total_input: torch.Tensor) -> None:
     """gradient_accumulation_fusion: the fused-kernel call megatron-core's backward made
     (intercepted in B), now, into the same main_grad; then DDP's hook with the dummy
     gradient it expects (untested: needs CUDA + APEX)."""
@@ -345,7 +370,7 @@ def _fused_accumulate(work: _Work) -> None:
     if kernel is None:
         raise RuntimeError("wgrad: gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda")
     weight.main_grad = work.main_grad
-    getattr(kernel, method)(work.input, work.grad_output, work.main_grad)
+    getattr(kernel, method)(total_input, work.grad_output, work.main_grad)
     ddp = _ddp_of(weight)
     if ddp is not None and hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True  # as megatron-core's fused backward sets it
@@ -366,9 +391,9 @@ def _fused_accumulate(work: _Work) -> None:
 # is recognised and answered with a zero-stride placeholder instead of being computed; the second
 # records its call instead of running the kernel. Everything else (input gradient, TP all-reduce
 # of dgrad, bias gradient, reduce-scatter under sequence parallelism) is megatron-core's code.
-# The prepared pair is what W multiplies. It is the one place that receives the *gathered* input
-# under sequence parallelism (megatron's total_input: a view of its global memory buffer, which
-# the next layer overwrites — so under SP ``_deferred_backward`` stashes a copy).
+# The prepared pair is what W multiplies — except under sequence parallelism, where megatron's
+# total_input is the *gathered* input in its global memory buffer (which the next layer
+# overwrites): ``_deferred_backward`` then stashes the saved local input and W gathers it again.
 # A backward that does not take this path (no prepare call, or a GEMM on other operands) leaves
 # megatron-core's weight gradient in place: not deferred, still exact. install() checks once per
 # process that the path is taken and bit-exact (_split_self_check).
@@ -523,19 +548,20 @@ def _deferred_backward(ctx, grad_output, active):
     if hasattr(weight, "__fsdp_param__"):
         raise NotImplementedError(f"wgrad: {name} is a Megatron-FSDP parameter; not supported")
     placeholder = _placeholder_weight_grad(weight, key)  # may refuse: before any work
+    # Under SP megatron's total_input is the TP all-gather of the input, a view of its global
+    # buffer that the next linear's backward overwrites: W keeps the saved local input (what
+    # autograd kept anyway) and gathers it again itself (_gathered_input), not a TP x copy.
+    local_input = ctx.saved_tensors[0] if ctx.sequence_parallel else None
     grads, capture = _megatron_backward_intercepted(ctx, grad_output)
     if not capture.deferred:
         return grads  # megatron-core computed the weight gradient itself: exact, just not deferred
-    total_input, grad_output = capture.total_input, capture.grad_output
-    if ctx.sequence_parallel:
-        # megatron's total_input is then the TP all-gather of the input, a view of its global
-        # buffer that the next linear's backward overwrites: W keeps its own copy (memory the
-        # store counts: TP x this linear's saved input, until W) rather than gathering again.
-        total_input = total_input.clone()
+    total_input, grad_output, gather = capture.total_input, capture.grad_output, None
+    if local_input is not None:
+        total_input, gather = local_input, (ctx.tp_group, tuple(capture.total_input.shape))
     store._stash(key, _Work(
         weight=weight, input=total_input, grad_output=grad_output,
         versions=(total_input._version, grad_output._version), main_grad=capture.main_grad, fused=capture.fused,
-        autocast=(bool(getattr(ctx, "_fwd_used_autocast", False)), getattr(ctx, "_dtype", None))))
+        autocast=(bool(getattr(ctx, "_fwd_used_autocast", False)), getattr(ctx, "_dtype", None)), gather=gather))
     return (grads[0], placeholder) + tuple(grads[2:])
 
 

@@ -47,6 +47,12 @@ task's own dependencies (its input message, the rounds before it) are the same i
 replica, so no replica waits on something that only another replica's progress produces.
 The agreement itself runs on separate gloo groups, off the device queues.
 
+TP collectives inside W (sequence parallelism under the B/W split: ``mcore/wgrad.py``'s W
+re-gathers its linear's input over the TP group) are covered the same way: the agreed task
+universe holds every W, each dispatch enters the digest checked at every exchange, so all TP
+ranks issue W's all-gathers at the same position of one task sequence (in the store's fixed
+order), on the compute stream like the TP collectives inside F and B.
+
 Out of scope of the argument: collectives that other pipelines issue at their own points
 (data-parallel gradient reductions overlapped with the backward); see the README.
 Under the B/W split (``mcore/grad_sync.SplitReadiness``) a stage's bucket reductions are
