@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 scripts/gpu_selfcheck.py     # first
     python -m pytest -q -m cuda tests/test_gpu.py              # then these
 
-Each test runs steps of the self-check (``megatron_rrfp/bench/selfcheck.py``) under
+Each test runs steps of the self-check (``megatron_rrfp/verify/selfcheck.py``) under
 torchrun in a subprocess, so NCCL, the devices and the processes are real: equivalence
 with Megatron's 1F1B at PP=2 over NCCL, the stage's peak memory (torch.cuda
 max_memory_allocated) against 1F1B, the NCCL rounds transport under stress, and BFW under
@@ -78,7 +78,7 @@ def test_selfcheck_without_cuda_says_so_and_exits_cleanly():
 
 def test_selfcheck_parses_imports_and_refuses_unknown_steps():
     compile(SCRIPT.read_text(encoding="utf-8"), str(SCRIPT), "exec")
-    from megatron_rrfp.bench import selfcheck, selfcheck_gpt, selfcheck_loopback  # noqa: F401
+    from megatron_rrfp.verify import selfcheck, selfcheck_gpt, selfcheck_loopback  # noqa: F401
 
     run = subprocess.run([sys.executable, str(SCRIPT), "--steps", "loopback,warp-drive"], capture_output=True,
                          text=True, timeout=120)

@@ -38,7 +38,7 @@ Out of scope of the argument: collectives that other pipelines issue at their ow
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated
-single-queue device (``tests/helpers/queue_device.py``).
+single-queue device (``megatron_rrfp/verify/queue_device.py``).
 """
 from __future__ import annotations
 

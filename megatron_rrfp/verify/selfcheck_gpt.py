@@ -1,6 +1,6 @@
 """The self-check's equivalence step: a tiny megatron-core GPT on CUDA, PP = every rank,
 RRFP (NCCL rounds, random task delays) against megatron-core's own 1F1B on the same
-weights and data, a few training iterations (``bench/selfcheck.py``)."""
+weights and data, a few training iterations (``verify/selfcheck.py``)."""
 from __future__ import annotations
 
 import random
@@ -20,11 +20,11 @@ def compare_with_megatron_on_gpu(ctx, *, iterations: int = 3, num_microbatches: 
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
+    from ..bench.hooks import delay_tasks
     from ..mcore.config import RRFPConfig
     from ..mcore.schedule import forward_backward_rrfp
     from ..mcore.session import shutdown
     from ..train import models
-    from .hooks import delay_tasks
 
     world = ctx["world"]
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)

@@ -3,7 +3,7 @@
 ``CudaLoopbackDevice`` is a ``rounds.Device`` whose rounds are CUDA copies between the two
 threads' streams (after both producers' events), so the shipped executor and
 ``RoundTransport`` run with real CUDA streams, events, caching-allocator buffers and host
-pacing — everything of the NCCL path except NCCL itself (``bench/selfcheck.py``).
+pacing — everything of the NCCL path except NCCL itself (``verify/selfcheck.py``).
 """
 from __future__ import annotations
 
