@@ -41,7 +41,9 @@ CHANNEL_TIMEOUT = datetime.timedelta(days=7)  # a host-channel receive waits for
 
 
 def device_timeout(timeout_s: float) -> datetime.timedelta:
-    """NCCL's timeout: above RRFP's stall timeout, so RRFP's diagnosis always prints first."""
+    """NCCL's timeout for the pair groups: above every wait RRFP makes, each of which is at
+    most ``timeout_s`` (the executor's stall timeout, ``flush``, the ring rule, the TP
+    agreement group's timeout), so RRFP's diagnosis always prints before NCCL's watchdog."""
     return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 300))
 
 
@@ -86,7 +88,8 @@ class Session:
 
         self.transport = RoundTransport(rank=rank, stage_of={r: i for i, r in enumerate(pp_ranks)},
                                         neighbours=list(self.groups), device=payloads, channel_factory=channel,
-                                        on_message=self.inbox.put, on_error=self.inbox.fail, wake=self.inbox.wake)
+                                        on_message=self.inbox.put, on_error=self.inbox.fail, wake=self.inbox.wake,
+                                        timeout_s=timeout_s)
 
     def close(self, timeout: float = 5.0) -> None:
         self.transport.close(timeout)

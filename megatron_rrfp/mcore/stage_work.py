@@ -94,7 +94,8 @@ class MegatronStageWork:
             is_last_stage=self.topology.is_last(self.stage, chunk))
         if store:
             self.outputs[mb] = store
-        self.total_num_tokens += num_tokens.to(self.total_num_tokens.device)
+        # As Megatron: a CPU 0-dim count is added as a scalar (no copy, so no sync with the stream)
+        self.total_num_tokens += num_tokens
         if send is not None:
             send(output[0])  # the transport keeps its own reference until the send completed
         if not self.forward_only:

@@ -52,7 +52,6 @@ import torch
 from .transport import HEADER_LEN, Header, Message, TransportError, TransportStats, decode_header, encode_header
 
 RECORD_LEN = 4 + HEADER_LEN  # type, three fields, a message header
-_RING_RULE_TIMEOUT_S = 3600.0  # stage 0 waiting for its other pair's rounds (their peers issue them at once)
 ANNOUNCE, HEADER, ROUND, BYE = 1, 2, 3, 4
 
 
@@ -129,20 +128,23 @@ class RoundTransport:
 
     ``stage_of`` maps the global ranks of this pipeline to their stage index; neighbours
     are the ranks of ``stage_of`` other than ``rank`` that share a pair with it.
-    ``channel_factory(on_record, on_error)`` builds the host channel.
+    ``channel_factory(on_record, on_error)`` builds the host channel. ``timeout_s`` bounds
+    every wait of its own (the ring rule's; ``flush`` gets the executor's): RRFP's stall
+    timeout, which the device's own timeout (NCCL's watchdog) must exceed
+    (``mcore.session.device_timeout``), so RRFP's diagnosis prints first.
     """
 
     poll_interval_throttled = 0.0005
 
     def __init__(self, *, rank: int, stage_of: dict[int, int], neighbours: list[int], device: Device,
                  channel_factory: Callable[..., HostChannel], on_message: Callable[[Message], None],
-                 on_error: Callable[[BaseException], None], wake: Callable[[], None] = lambda: None,
-                 max_tasks_ahead: int = 2, name: str = "") -> None:
+                 on_error: Callable[[BaseException], None], timeout_s: float,
+                 wake: Callable[[], None] = lambda: None, max_tasks_ahead: int = 2, name: str = "") -> None:
         if max_tasks_ahead < 1:
             raise ValueError(f"max_tasks_ahead must be >= 1, got {max_tasks_ahead}")
         self.rank, self.name, self.device = rank, name, device
         self._on_message, self._on_error, self._wake = on_message, on_error, wake
-        self.max_tasks_ahead = max_tasks_ahead
+        self.max_tasks_ahead, self.timeout_s = max_tasks_ahead, timeout_s
         me = stage_of[rank]
         self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours))}
         # Stage 0 of an interleaved ring leads both its pairs: it never has rounds of both in flight.
@@ -282,7 +284,7 @@ class RoundTransport:
 
     def _drain(self, pair: _Pair, timeout: Optional[float], why: str) -> None:
         for completion, _ in pair.in_flight:
-            limit = timeout if timeout is not None else _RING_RULE_TIMEOUT_S
+            limit = timeout if timeout is not None else self.timeout_s  # its peer issued it: it runs
             try:
                 done = completion.synchronize(limit)
             except Exception as exc:  # e.g. the peer died

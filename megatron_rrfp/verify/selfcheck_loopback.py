@@ -176,7 +176,7 @@ def loopback_pipeline(*, chunks: int, hint: str, buffer_limit: int, microbatches
                     rank=stage, stage_of={0: 0, 1: 1}, neighbours=[1 - stage],
                     device=CudaLoopbackDevice(stage, rounds, lock, copy_stream),
                     channel_factory=lambda on_record, on_error: EmulatedChannel(hub, stage, on_record, on_error),
-                    on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake)
+                    on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake, timeout_s=timeout_s)
                 work = work_factory(topology, stage, random.Random(seed + stage))
                 for _ in range(iterations):
                     PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,
