@@ -69,6 +69,26 @@ def test_bfw_under_transformer_engine_delay_wgrad_is_refused_clearly(tmp_path):
 
 # -- on any machine: the self-check itself ------------------------------------------------
 
+def _stress_on_cpu() -> str:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rrfp.verify.selfcheck import stress
+
+    return stress({"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}, device=torch.device("cpu"))
+
+
+@pytest.mark.timeout(400)
+def test_stress_step_over_rounds_on_gloo_tp2_pp2():
+    """The nccl-stress step's own pipeline (20 iterations, a TP all-reduce in every task) on
+    the CPU twin of the NCCL path: rounds over gloo, 4 ranks = TP2 x PP2. With the buffer
+    limit drawn per rank (the bug this guards), the TP ranks of a stage disagree at once."""
+    from megatron_rrfp.dist.launcher import launch
+
+    problems = launch(_stress_on_cpu, world_size=4, tp=2, pp=2, timeout=360, init_megatron=False)
+    assert problems == ["", "", "", ""], problems
+
+
 @pytest.mark.skipif(GPUS > 0, reason="checks the no-CUDA path")
 def test_selfcheck_without_cuda_says_so_and_exits_cleanly():
     run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
