@@ -26,6 +26,7 @@ from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
+from .dp_overlap import dp_overlap_blockers
 from .grad_sync import GradSyncController
 from .session import session
 from .stage_work import MegatronStageWork, weight_grad_store, with_split_capability
@@ -107,6 +108,13 @@ def forward_backward_rrfp(
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
     plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
+    blockers = [] if forward_only else dp_overlap_blockers(
+        models, device_type=device.type, data_parallel_size=compat.data_parallel_size(pg_collection),
+        split_backward=arbiter.split_backward)
+    if blockers:
+        raise ValueError(f"megatron_rrfp: {' and '.join(blockers)} with interleaving and data parallelism on CUDA "
+                         "would overlap data-parallel communication with pipeline rounds, outside RRFP's deadlock "
+                         "argument (mcore/dp_overlap.py); turn it off, or run without interleaving")
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter) if arbiter.split_backward else None
     agreement = None

@@ -29,12 +29,25 @@ of "waits for its partner, which is behind X" moves along the pipeline in one di
 and ends at a pipeline end (on the ring, stage 0 never has rounds of both its pairs in
 flight, so no chain closes the ring). The earliest unfinished operation therefore always
 runs. The host never blocks on an operation whose partner it has not seen issued: it
-keeps itself at most ``max_tasks_ahead`` tasks ahead of the device by *declining* tasks
-(``can_dispatch``) while it keeps issuing rounds; only ``flush`` and stage 0's ring rule
-wait for rounds, and both ends of those are issued.
+*declines* tasks (``can_dispatch``) while more than ``max_tasks_ahead`` launched tasks
+are unfinished on the device, and keeps issuing rounds meanwhile. (So up to
+``max_tasks_ahead + 1`` tasks are unfinished right after a launch, and one more under TP
+agreement, whose offer for the next task is posted as the current one launches.) Only
+``flush`` and stage 0's ring rule wait for rounds, both ends of those are issued, and
+both waits are bounded by ``timeout_s`` — below NCCL's own timeout
+(``mcore.session.device_timeout``), so RRFP's diagnosis comes first.
 
-Out of scope of the argument: collectives that other pipelines issue at their own points
-(data-parallel gradient reductions overlapped with the backward); see the README.
+Data-parallel collectives join ranks of *other* pipelines at points of their own task
+sequences (``mcore/dp_overlap.py`` decides where they may overlap the task loop):
+* without interleaving, a stage's gradient reduction is issued inside its last backward:
+  after every round it still needs from downstream, before any round upstream needs from
+  it. By induction from the last stage up (the last stages' reductions need nothing from
+  upstream that is queued after an upstream reduction), every stage's reductions
+  complete; parameter all-gathers are issued by the optimizer step, before the call;
+* with interleaving on CUDA, chunk c's reduction and chunk c+1's all-gather fall between
+  rounds of other chunks, in both directions: outside the argument. There
+  ``overlap_grad_reduce`` (unless the backward is split: reductions then run after the
+  last W) and ``overlap_param_gather`` are refused before the iteration starts.
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated
