@@ -187,5 +187,6 @@ def shutdown() -> None:
     auto_limit.reset()  # calibrations belong to the job that measured them
 
 
-__all__ = ["Session", "TRANSPORTS", "abort_pair_groups", "agreement_group", "device_timeout", "discard", "resolve_transport", "session",
+__all__ = ["Session", "TRANSPORTS", "abort_pair_groups", "agreement_group", "device_timeout", "discard",
+           "resolve_transport", "session",
            "shutdown", "start"]
