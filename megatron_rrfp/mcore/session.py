@@ -27,6 +27,7 @@ rank rebuilds in the same call, as the collective creation needs):
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit
 
+log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "threads", "rounds")
 CHANNEL_TIMEOUT = datetime.timedelta(days=7)  # a host-channel receive waits for records between steps
 
@@ -98,7 +100,11 @@ class Session:
         self.transport.close(timeout)
         self.inbox.close()
         if abort and self.kind == "rounds" and self.device.type == "cuda":
-            abort_pair_groups(self.groups)
+            for problem in abort_pair_groups(self.groups):
+                log.warning("megatron_rrfp: could not abort a NCCL %s", problem)
+
+    def fits(self, key: tuple) -> bool:
+        return self.key == key and dist.is_initialized() and dist.group.WORLD is self.world
 
 
 def abort_pair_groups(groups: dict) -> list[str]:
@@ -117,9 +123,6 @@ def abort_pair_groups(groups: dict) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - best effort, see the docstring
             failed.append(f"pair group with rank {peer}: {type(exc).__name__}: {exc}")
     return failed
-
-    def fits(self, key: tuple) -> bool:
-        return self.key == key and dist.is_initialized() and dist.group.WORLD is self.world
 
 
 _session: Optional[Session] = None

@@ -19,8 +19,20 @@ one GPU (every rank, on its own GPU)
 two or more GPUs (all ranks together, NCCL)
   nccl-stress          the NCCL rounds transport, random delays, both directions, random
                        message shapes, 20 iterations over every hint
-  megatron-equivalence a tiny GPT: RRFP's losses and gradients against Megatron's 1F1B
+  megatron-equivalence a tiny GPT, PP = every GPU: RRFP's losses and gradients against
+                       Megatron's 1F1B
+  equivalence-tp2-pp2  the same at TP=2 x PP=2 (4 GPUs; the rest data parallel): the TP
+                       agreement on NCCL
+  equivalence-pp4-chunks2-dp2
+                       PP=4 x 2 chunks x DP=2 (8 GPUs): interleaving and data-parallel
+                       reductions against Megatron's interleaved 1F1B
   te-bfw               Transformer Engine's delay_wgrad_compute under BFW (refused today)
+
+Coverage limits, said here so a PASS is not read as more: the loopback step's rounds are
+CUDA copies (its first side does not block its queue as an NCCL kernel does, and its
+wait() blocks the host), so ordering deadlocks are the business of nccl-stress (real
+NCCL) and of the single-queue emulation on CPU (``verify/queue_device.py``). The whole
+run takes a few minutes on one 8-GPU node: torchrun --nproc-per-node 8 scripts/gpu_selfcheck.py
 """
 from __future__ import annotations
 
@@ -37,8 +49,12 @@ from dataclasses import asdict, dataclass
 from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
-STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "te-bfw")
+STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
+                   "te-bfw")
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
+GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
+               "equivalence-pp4-chunks2-dp2": 8}
+"""A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
 @dataclass
@@ -61,7 +77,8 @@ def step_environment(ctx) -> Result:
 
 
 _SERIALIZATION_PROBE = r"""
-import time, torch
+import sys, time, torch
+torch.cuda.set_device(int(sys.argv[1]))  # the rank's own GPU
 a, b, c = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
 x = torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 with torch.cuda.stream(a):
@@ -79,21 +96,24 @@ print("SERIALIZED" if tb >= 0.9 * ta else "CONCURRENT", f"{tb:.3f} {ta:.3f}")
 
 
 def step_queue_serialization(ctx) -> Result:
+    import torch
+
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
     try:
-        out = subprocess.run([sys.executable, "-c", _SERIALIZATION_PROBE], env=env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", _SERIALIZATION_PROBE, str(torch.cuda.current_device())], env=env,
+                             capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         return Result("queue-serialization", "FAIL", "the probe hung for 120 s")
     if out.returncode != 0:
         return Result("queue-serialization", "FAIL", f"probe failed: {out.stderr.strip()[-300:]}")
     verdict, tb, ta = out.stdout.split()
+    gpu = f"GPU {torch.cuda.current_device()}"
     if verdict == "SERIALIZED":
-        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 a kernel on stream B waited {tb}s behind another stream's "
-                  f"wait (long kernel {ta}s): one hardware queue, as the rounds protocol assumes")
+        detail = (f"{gpu}: with CUDA_DEVICE_MAX_CONNECTIONS=1 a kernel on stream B waited {tb}s behind another "
+                  f"stream's wait (long kernel {ta}s): one hardware queue, as the rounds protocol assumes")
     else:
-        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 stream B finished after {tb}s while the long kernel took "
-                  f"{ta}s: this GPU/driver did not serialize here (the protocol does not rely on it either way)")
+        detail = (f"{gpu}: with CUDA_DEVICE_MAX_CONNECTIONS=1 stream B finished after {tb}s while the long kernel "
+                  f"took {ta}s: this GPU/driver did not serialize here (the protocol does not rely on it either way)")
     return Result("queue-serialization", "PASS", detail)
 
 
@@ -117,7 +137,8 @@ def step_loopback(ctx) -> Result:
         problem = "; ".join(errors) or check_finals(finals, Topology(2, chunks), microbatches)
         if problem:
             return Result("loopback", "FAIL", f"chunks={chunks} hint={hint} limit={limit}: {problem}")
-    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact")
+    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact "
+                                      "(rounds as CUDA copies: not NCCL's blocking; see nccl-stress)")
 
 
 def step_stage_memory(ctx) -> Result:
@@ -252,7 +273,19 @@ def step_nccl_stress(ctx) -> Result:
 def step_megatron_equivalence(ctx) -> Result:
     from .selfcheck_gpt import compare_with_megatron_on_gpu
 
-    return Result("megatron-equivalence", *compare_with_megatron_on_gpu(ctx))
+    return Result("megatron-equivalence", *compare_with_megatron_on_gpu(ctx, pp=ctx["world"]))
+
+
+def step_equivalence_tp2_pp2(ctx) -> Result:
+    from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+    return Result("equivalence-tp2-pp2", *compare_with_megatron_on_gpu(ctx, tp=2, pp=2))
+
+
+def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
+    from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+    return Result("equivalence-pp4-chunks2-dp2", *compare_with_megatron_on_gpu(ctx, pp=4, chunks=2))
 
 
 def step_te_bfw(ctx) -> Result:
@@ -276,7 +309,8 @@ def step_te_bfw(ctx) -> Result:
 STEP_FUNCTIONS: dict[str, Callable] = {
     "environment": step_environment, "queue-serialization": step_queue_serialization, "loopback": step_loopback,
     "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
-    "megatron-equivalence": step_megatron_equivalence, "te-bfw": step_te_bfw,
+    "megatron-equivalence": step_megatron_equivalence, "equivalence-tp2-pp2": step_equivalence_tp2_pp2,
+    "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, "te-bfw": step_te_bfw,
 }
 
 
@@ -320,8 +354,10 @@ def main(argv=None) -> int:
     results = []
     order = [s for s in STEPS if s in steps]  # one-context last: after every thread ran
     for step in order:
-        if step in STEPS_MULTI_GPU and step != "te-bfw" and world < 2:
-            results.append(Result(step, "SKIP", "needs >= 2 GPUs: torchrun --nproc-per-node 2 (or more)"))
+        need = GPUS_NEEDED.get(step, 1)
+        if world < need or world % need:
+            results.append(Result(step, "SKIP", f"needs a multiple of {need} GPUs (here {world}): "
+                                                f"torchrun --nproc-per-node {need} (or 8)"))
         else:
             faulthandler.dump_traceback_later(args.step_timeout, exit=True)  # a hang prints every thread's stack
             try:
