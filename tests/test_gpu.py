@@ -84,8 +84,8 @@ def _equivalence_on_cpu() -> list:
     from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
-    # hint bf: the default policy's split backward fails on megatron-core 0.19 before any
-    # comparison (_DeferrableLinearBackward's gradient count; pre-existing, see docs/_drafts/h-gpu.md)
+    # hint bf: at this branch's base the split backward fails on megatron-core 0.19
+    # (_DeferrableLinearBackward's gradient count; fixed on main, see docs/_drafts/h-gpu.md)
     return [compare_with_megatron(ctx, tp=2, pp=2, iterations=2, num_microbatches=4, device="cpu", hint="bf"),
             compare_with_megatron(ctx, tp=2, pp=2, chunks=2, iterations=2, num_microbatches=4, device="cpu",
                                   hint="bf")]

@@ -4,7 +4,7 @@ for a stream. Run on CPU with a probe (tests/helpers/sync_probe.py) that records
 that would wait on CUDA — value reads, copies between devices, synchronize — made by
 megatron_rrfp's code while ``PipelineIteration.run`` runs, on a real megatron-core GPT at
 PP=2 over the device (rounds) protocol, two hints, per-token loss on (the split backward
-is left out: on megatron-core 0.19 BFW of a GPT fails before this check, see the h-gpu notes)."""
+is left out: at this branch's base it fails on megatron-core 0.19; see docs/_drafts/h-gpu.md)."""
 from __future__ import annotations
 
 import pytest
