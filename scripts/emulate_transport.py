@@ -7,11 +7,11 @@
 Each configuration is a whole PP x TP=2 job (PP 2-8, one or two model chunks, hints bf /
 bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
 latency) run by the real executor, TP agreement and transport on
-``megatron_rrfp.bench.queue_device`` — one in-order queue per rank for compute, TP
+``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP
 collectives and p2p, the worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see that module).
 ``rounds`` is the shipped device transport; ``early-receive`` replays the CUDA path this
 project had before it; ``rounds-without-ring-rule`` and ``rounds-unagreed`` each drop one
-rule of the rounds protocol (see ``bench/emulated_pipeline.py``). Prints one line per
+rule of the rounds protocol (see ``verify/emulated_pipeline.py``). Prints one line per
 configuration of ``rounds`` that did not complete, then a summary per protocol:
 completed / device deadlocks / other failures.
 """
@@ -32,7 +32,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    from megatron_rrfp.bench.emulated_pipeline import PROTOCOLS, random_jobs, run_emulated
+    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, random_jobs, run_emulated
 
     protocols = args.protocols.split(",")
     for protocol in protocols:

@@ -75,17 +75,30 @@ def test_layers_only_import_downwards():
     """policy <- sim <- runtime <- mcore <- megatron_lm: the policy never imports its
     simulator, the runtime never imports benchmarks or Megatron-LM."""
     forbidden = {
-        "megatron_rrfp.policy": ("sim", "runtime", "mcore", "megatron_lm", "bench", "train", "goodput", "trace"),
-        "megatron_rrfp.sim": ("runtime", "mcore", "megatron_lm", "bench", "train", "goodput"),
-        "megatron_rrfp.runtime": ("sim", "mcore", "megatron_lm", "bench", "train", "goodput"),
-        "megatron_rrfp.mcore": ("sim", "megatron_lm", "bench", "train", "goodput"),
-        "megatron_rrfp.goodput": ("sim", "mcore", "megatron_lm", "bench", "train"),
+        "megatron_rrfp.policy": ("sim", "runtime", "mcore", "megatron_lm", "bench", "train", "goodput", "trace",
+                                 "verify"),
+        "megatron_rrfp.sim": ("runtime", "mcore", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.runtime": ("sim", "mcore", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.mcore": ("sim", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.goodput": ("sim", "mcore", "megatron_lm", "bench", "train", "verify"),
+        "megatron_rrfp.bench": ("verify",),  # benchmarks measure; verification tools check
     }
     for module, targets in _graph().items():
         for layer, banned in forbidden.items():
             if module == layer or module.startswith(layer + "."):
                 bad = [t for t in targets if any(t.startswith(f"megatron_rrfp.{b}") for b in banned)]
                 assert not bad, f"{module} imports {bad}"
+
+
+def test_verification_tools_live_in_verify_and_bench_keeps_benchmarks():
+    verify = {p.name for p in (PACKAGE / "verify").glob("*.py")}
+    assert {"selfcheck.py", "selfcheck_gpt.py", "selfcheck_loopback.py", "queue_device.py",
+            "emulated_pipeline.py"} <= verify, verify
+    bench = {p.name for p in (PACKAGE / "bench").glob("*.py")}
+    assert not {n for n in bench if n.startswith("selfcheck") or n in ("queue_device.py", "emulated_pipeline.py")}
+    scripts = PACKAGE.parent / "scripts"
+    assert not list(scripts.glob("issue*.py")), "scripts are named for what they do, not for an issue number"
+    assert "megatron_rrfp.verify.selfcheck" in (scripts / "gpu_selfcheck.py").read_text(encoding="utf-8")
 
 
 def test_modules_stay_small():

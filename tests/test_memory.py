@@ -155,3 +155,28 @@ def test_megatron_lm_log_line_carries_peak_memory():
         "megatron-rrfp: iteration 10 | peak activation memory 12.3 MB (max over ranks) | peak forwards in flight 6"
         " | buffer limit 8 on rank 0")
     assert peak_memory_line(None, 10, world=1) is None  # nothing measured: no line
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_meter_keeps_the_users_peak_statistics():
+    """Megatron-LM's report_memory reads torch.cuda.max_memory_allocated: an earlier, higher
+    peak (start-up, a checkpoint load) survives the schedule's meter, which then says its
+    figure is an upper bound; a call that sets a new peak is measured exactly."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = torch.empty(64 * 2 ** 20, dtype=torch.uint8, device=device)
+    del big
+    earlier = torch.cuda.max_memory_allocated(device)
+    with ActivationMeter(device) as meter:
+        small = torch.empty(2 ** 20, dtype=torch.uint8, device=device)
+    del small
+    assert torch.cuda.max_memory_allocated(device) == earlier
+    assert meter.method == "cuda-allocator-bound" and meter.peak_bytes >= 2 ** 20
+    with ActivationMeter(device) as meter:
+        larger = torch.empty(128 * 2 ** 20, dtype=torch.uint8, device=device)
+    del larger
+    assert meter.method == "cuda-allocator" and 128 * 2 ** 20 <= meter.peak_bytes < 130 * 2 ** 20
+    with ActivationMeter(device, reset_peak=True) as meter:  # an explicit measurement
+        small = torch.empty(2 ** 20, dtype=torch.uint8, device=device)
+    del small
+    assert meter.method == "cuda-allocator" and 2 ** 20 <= meter.peak_bytes < 3 * 2 ** 20

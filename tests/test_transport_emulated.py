@@ -2,7 +2,7 @@
 
 Every rank gets a stand-in GPU with ONE in-order queue for compute, TP collectives and
 p2p (``CUDA_DEVICE_MAX_CONNECTIONS=1``; a send or receive blocks the queue until its
-partner runs — ``megatron_rrfp.bench.queue_device``). The real executor, arbiter, TP
+partner runs — ``megatron_rrfp.verify.queue_device``). The real executor, arbiter, TP
 agreement and transport run on it, a thread per rank, with random device times, host
 jitter and host-channel latency. ``scripts/emulate_transport.py`` runs many more.
 """
@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from megatron_rrfp.bench.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
-from megatron_rrfp.bench.queue_device import ThreadCollective
 from megatron_rrfp.policy.actions import Kind, Task
 from megatron_rrfp.runtime.agreement import AgreementError, TPAgreement
+from megatron_rrfp.verify.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
+from megatron_rrfp.verify.queue_device import ThreadCollective
 
 pytestmark = pytest.mark.timeout(240)
 

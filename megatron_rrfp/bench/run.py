@@ -319,6 +319,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                           num_microbatches=config.num_microbatches, seq_length=config.seq_length,
                           micro_batch_size=config.micro_batch_size)
             dist.barrier()
+            if torch.cuda.is_available() and pipeline_device().type == "cuda":
+                # a measurement: both schedules' meters then read this call's own peak exactly
+                torch.cuda.reset_peak_memory_stats(pipeline_device())
             ledger_iteration += 1
             recorder.iteration_start(ledger_iteration)
             start = time.time()

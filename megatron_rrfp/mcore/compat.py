@@ -144,6 +144,19 @@ def start_unissued_grad_syncs(models) -> None:
                 group.start_grad_sync()
 
 
+def data_parallel_size(pg_collection=None) -> int:
+    """Data-parallel ranks of this rank's model replica (1 when parallel_state is not set up)."""
+    dp = getattr(pg_collection, "dp", None) if pg_collection is not None else None
+    if dp is not None:
+        return dp.size()
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_data_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 1
+
+
 def expert_parallel_size() -> int:
     from megatron.core import parallel_state
 

@@ -114,9 +114,11 @@ class GradSyncController:
         backward — not interleaved: without grad_sync_func or on pipeline rank 0; interleaved: always."""
         return self.interleaved or self._grad_sync is None or self.pp_rank == 0
 
-    def split_readiness(self, deferred: set) -> SplitReadiness:
-        """Readiness counting for a split backward; ``deferred``: parameters W completes."""
-        return SplitReadiness(self, deferred)
+    def split_readiness(self, deferred: set, *, overlap_allowed: bool = True) -> SplitReadiness:
+        """Readiness counting for a split backward; ``deferred``: parameters W completes.
+        Without ``overlap_allowed`` (``dp_overlap``) nothing launches inside the task loop:
+        ``finish`` launches every reduction after the last W."""
+        return SplitReadiness(self, deferred, overlap_allowed=overlap_allowed)
 
     def finish(self) -> None:
         if self.forward_only:
@@ -141,7 +143,7 @@ class SplitReadiness:
     B, ``weight_done(c)`` (a per-weight callback, or None) for the W about to run and
     ``after_weight_task(c)`` after it."""
 
-    def __init__(self, controller: GradSyncController, deferred: set) -> None:
+    def __init__(self, controller: GradSyncController, deferred: set, *, overlap_allowed: bool = True) -> None:
         self._controller = controller
         m = controller.num_microbatches
         self._b_left = [m] * len(controller.models)
@@ -151,7 +153,7 @@ class SplitReadiness:
         for chunk, model in enumerate(controller.models):
             ddp = model if hasattr(model, "param_to_bucket_group") and hasattr(model, "ddp_config") else None
             if (ddp is None or not ddp.ddp_config.overlap_grad_reduce or controller.forward_only
-                    or not controller.reduces_during_backward(chunk)):
+                    or not overlap_allowed or not controller.reduces_during_backward(chunk)):
                 self._chunks.append(None)
                 continue
             params = list(ddp.param_to_bucket_group)

@@ -26,6 +26,7 @@ from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
+from .dp_overlap import dp_overlap_blockers, overlapped_dp_communication_allowed
 from .grad_sync import GradSyncController
 from .session import session
 from .stage_work import MegatronStageWork, attach_split_readiness, weight_grad_store, with_split_capability
@@ -122,6 +123,13 @@ def forward_backward_rrfp(
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
     plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
+    data_parallel_size = compat.data_parallel_size(pg_collection)
+    blockers = [] if forward_only else dp_overlap_blockers(
+        models, device_type=device.type, data_parallel_size=data_parallel_size, split_backward=arbiter.split_backward)
+    if blockers:
+        raise ValueError(f"megatron_rrfp: {' and '.join(blockers)} with interleaving and data parallelism on CUDA "
+                         "would overlap data-parallel communication with pipeline rounds, outside RRFP's deadlock "
+                         "argument (mcore/dp_overlap.py); turn it off, or run without interleaving")
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter, hint=options.arbiter.parsed_hint.name) \
         if arbiter.split_backward else None
@@ -150,7 +158,8 @@ def forward_backward_rrfp(
             first_val_step=first_val_step, grad_sync=grad_sync)
         work.wgrad_store = wgrad_store
         if wgrad_store is not None:
-            attach_split_readiness(work)
+            attach_split_readiness(work, overlap_allowed=overlapped_dp_communication_allowed(
+                device_type=device.type, data_parallel_size=data_parallel_size, interleaved=len(models) > 1))
         iteration = PipelineIteration(
             work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
             transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,

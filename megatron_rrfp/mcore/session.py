@@ -20,10 +20,14 @@ rank rebuilds in the same call, as the collective creation needs):
   belong to the old world;
 * the previous schedule call failed (``discard()``): messages of that iteration may still
   be on the wire or half-received, and only new groups guarantee none reaches the next.
+  On CUDA its NCCL pair communicators are aborted; recovering in-process is for CPU/gloo
+  runs only — on GPUs a failed iteration means restarting the job (torchrun
+  ``--max-restarts``, as the SLURM scripts do, resuming from the last checkpoint).
 """
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Optional
 
 import torch
@@ -36,12 +40,15 @@ from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit
 
+log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "threads", "rounds")
 CHANNEL_TIMEOUT = datetime.timedelta(days=7)  # a host-channel receive waits for records between steps
 
 
 def device_timeout(timeout_s: float) -> datetime.timedelta:
-    """NCCL's timeout: above RRFP's stall timeout, so RRFP's diagnosis always prints first."""
+    """NCCL's timeout for the pair groups: above every wait RRFP makes, each of which is at
+    most ``timeout_s`` (the executor's stall timeout, ``flush``, the ring rule, the TP
+    agreement group's timeout), so RRFP's diagnosis always prints before NCCL's watchdog."""
     return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 300))
 
 
@@ -86,14 +93,36 @@ class Session:
 
         self.transport = RoundTransport(rank=rank, stage_of={r: i for i, r in enumerate(pp_ranks)},
                                         neighbours=list(self.groups), device=payloads, channel_factory=channel,
-                                        on_message=self.inbox.put, on_error=self.inbox.fail, wake=self.inbox.wake)
+                                        on_message=self.inbox.put, on_error=self.inbox.fail, wake=self.inbox.wake,
+                                        timeout_s=timeout_s)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0, *, abort: bool = False) -> None:
         self.transport.close(timeout)
         self.inbox.close()
+        if abort and self.kind == "rounds" and self.device.type == "cuda":
+            for problem in abort_pair_groups(self.groups):
+                log.warning("megatron_rrfp: could not abort a NCCL %s", problem)
 
     def fits(self, key: tuple) -> bool:
         return self.key == key and dist.is_initialized() and dist.group.WORLD is self.world
+
+
+def abort_pair_groups(groups: dict) -> list[str]:
+    """Abort the NCCL communicators of the pair groups (after a failed iteration): a round
+    whose peer died keeps its kernel spinning, and under CUDA_DEVICE_MAX_CONNECTIONS=1 it
+    blocks every later kernel of this GPU until NCCL's watchdog kills the process; an
+    aborted communicator ends it. Returns what could not be aborted (logged, not raised:
+    the iteration's own error is what the caller must see)."""
+    from torch.distributed import distributed_c10d
+
+    failed = []
+    for peer, group in groups.items():
+        try:
+            abort = getattr(distributed_c10d, "_abort_process_group", None)  # also forgets the group
+            abort(group) if abort is not None else group.abort()
+        except Exception as exc:  # noqa: BLE001 - best effort, see the docstring
+            failed.append(f"pair group with rank {peer}: {type(exc).__name__}: {exc}")
+    return failed
 
 
 _session: Optional[Session] = None
@@ -118,11 +147,16 @@ def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, t
 def discard(timeout: float = 0.5) -> None:
     """Drop the runtime after a failed iteration or stale groups: its inbox and receive
     expectations go with it, its threads are told to stop (one blocked in a receive ends
-    when its group times out or is destroyed), and the next call builds a new one."""
+    when its group times out or is destroyed), on CUDA its NCCL pair communicators are
+    aborted (``abort_pair_groups``), and the next call builds a new one.
+
+    On GPUs that releases the device so the diagnosis prints and the process exits; it does
+    not make the job recoverable in-process (Megatron's own NCCL groups with a dead peer are
+    broken too): a failure on GPUs means restarting the job from its last checkpoint."""
     global _session
     old, _session = _session, None
     if old is not None:
-        old.close(timeout)
+        old.close(timeout, abort=True)
 
 
 def start(*, timeout_s: Optional[float] = None, transport: Optional[str] = None) -> Session:
@@ -156,5 +190,6 @@ def shutdown() -> None:
     auto_limit.reset()  # calibrations belong to the job that measured them
 
 
-__all__ = ["Session", "TRANSPORTS", "agreement_group", "device_timeout", "discard", "resolve_transport", "session",
+__all__ = ["Session", "TRANSPORTS", "abort_pair_groups", "agreement_group", "device_timeout", "discard",
+           "resolve_transport", "session",
            "shutdown", "start"]

@@ -95,7 +95,8 @@ class MegatronStageWork:
             is_last_stage=self.topology.is_last(self.stage, chunk))
         if store:
             self.outputs[mb] = store
-        self.total_num_tokens += num_tokens.to(self.total_num_tokens.device)
+        # As Megatron: a CPU 0-dim count is added as a scalar (no copy, so no sync with the stream)
+        self.total_num_tokens += num_tokens
         if send is not None:
             send(output[0])  # the transport keeps its own reference until the send completed
         if not self.forward_only:
@@ -176,8 +177,10 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
     return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, split_backward_ok=False))
 
 
-def attach_split_readiness(work: MegatronStageWork) -> None:
-    """Overlapped DP reductions for a split backward (grad_sync.SplitReadiness)."""
+def attach_split_readiness(work: MegatronStageWork, *, overlap_allowed: bool) -> None:
+    """Overlapped DP reductions for a split backward (grad_sync.SplitReadiness), where
+    ``dp_overlap`` allows them inside the task loop."""
     from . import wgrad
 
-    work.split_readiness = work.grad_sync.split_readiness(wgrad.deferred_parameters(work.models))
+    work.split_readiness = work.grad_sync.split_readiness(wgrad.deferred_parameters(work.models),
+                                                          overlap_allowed=overlap_allowed)

@@ -6,10 +6,15 @@ any schedule (RRFP's executor, or Megatron-core's own schedules wrapped from out
         forward_backward(...)
     meter.peak_bytes, meter.method
 
-CUDA (``method == "cuda-allocator"``): the peak of ``torch.cuda.max_memory_allocated``
-over the call, relative to what was allocated when it started. Entering resets the
-device's peak statistics (so Megatron-LM's own "max allocated" report afterwards covers
-the last schedule call onwards).
+CUDA: the peak of ``torch.cuda.max_memory_allocated`` over the call, relative to what
+was allocated when it started. By default the meter leaves the allocator's peak
+statistics alone — Megatron-LM's ``report_memory`` and TensorBoard's
+``mem-max-allocated-bytes`` keep showing the process's peak since start-up (model build,
+checkpoint loads included) — and reads the call's peak as the process peak at its end:
+exact (``method == "cuda-allocator"``) when the call set a new process peak, else an upper
+bound (``"cuda-allocator-bound"``: the call stayed below an earlier peak). Only a meter
+made with ``reset_peak=True`` (an explicit measurement: the benchmark, the self-check)
+resets the statistics on entry, and is always exact.
 
 CPU (``method == "saved-tensors"``): the exact bytes the iteration holds for backward,
 each tensor storage counted once however many holders it has:
@@ -38,6 +43,7 @@ from typing import Optional
 import torch
 
 CUDA_ALLOCATOR = "cuda-allocator"
+CUDA_ALLOCATOR_BOUND = "cuda-allocator-bound"  # an earlier process peak hides the call's own
 SAVED_TENSORS = "saved-tensors"
 
 
@@ -79,8 +85,10 @@ class ActivationMeter:
     A context manager; usable again for the next call. ``hold``/``release`` pair up per
     tensor; both are no-ops under the CUDA allocator (which sees every byte anyway)."""
 
-    def __init__(self, device, *, persistent: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, device, *, persistent: Iterable[torch.Tensor] = (), reset_peak: bool = False) -> None:
         self.device = torch.device(device)
+        self.reset_peak = reset_peak  # CUDA: reset the allocator's peak statistics on entry (module docstring)
+        self._peak_before = 0
         self.method = CUDA_ALLOCATOR if self.device.type == "cuda" else SAVED_TENSORS
         self._persistent = set()
         if self.method == SAVED_TENSORS:
@@ -98,8 +106,11 @@ class ActivationMeter:
     # -- the measured window ---------------------------------------------------------
 
     def __enter__(self) -> ActivationMeter:
-        if self.method == CUDA_ALLOCATOR:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.method in (CUDA_ALLOCATOR, CUDA_ALLOCATOR_BOUND):
+            self.method = CUDA_ALLOCATOR
+            if self.reset_peak:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak_before = torch.cuda.max_memory_allocated(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             with self._lock:
@@ -110,8 +121,12 @@ class ActivationMeter:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.method == CUDA_ALLOCATOR:
-            self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
+        if self.method in (CUDA_ALLOCATOR, CUDA_ALLOCATOR_BOUND):
+            after = torch.cuda.max_memory_allocated(self.device)
+            self.peak_bytes = max(0, after - self._base)
+            # after a reset the peak before equals what was allocated: any use counts as new
+            exact = self.reset_peak or after > self._peak_before
+            self.method = CUDA_ALLOCATOR if exact else CUDA_ALLOCATOR_BOUND
         elif self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(*exc)
@@ -176,4 +191,4 @@ class ActivationMeter:
                 self.bytes -= entry[1]
 
 
-__all__ = ["CUDA_ALLOCATOR", "SAVED_TENSORS", "ActivationMeter", "model_tensors"]
+__all__ = ["CUDA_ALLOCATOR", "CUDA_ALLOCATOR_BOUND", "SAVED_TENSORS", "ActivationMeter", "model_tensors"]

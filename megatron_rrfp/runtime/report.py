@@ -30,7 +30,7 @@ class IterationReport:
     peak_in_flight: int = 0  # (microbatch, chunk) forwards whose backward (W when split) had not run
     peak_deferred_wgrad_bytes: int = 0  # BFW: activations/grads held for deferred W tasks
     peak_activation_bytes: int = 0  # over the schedule call, relative to its start (runtime/memory.py)
-    activation_measure: str = ""  # how: "cuda-allocator" or "saved-tensors"
+    activation_measure: str = ""  # how: "cuda-allocator", "cuda-allocator-bound" (an upper bound) or "saved-tensors"
     buffer_limit: int = 0  # the arbiter's resolved limit on this stage (0: the limit did not apply)
     spans: list[Span] = field(default_factory=list)
 

@@ -29,9 +29,13 @@ of "waits for its partner, which is behind X" moves along the pipeline in one di
 and ends at a pipeline end (on the ring, stage 0 never has rounds of both its pairs in
 flight, so no chain closes the ring). The earliest unfinished operation therefore always
 runs. The host never blocks on an operation whose partner it has not seen issued: it
-keeps itself at most ``max_tasks_ahead`` tasks ahead of the device by *declining* tasks
-(``can_dispatch``) while it keeps issuing rounds; only ``flush`` and stage 0's ring rule
-wait for rounds, and both ends of those are issued.
+*declines* tasks (``can_dispatch``) while more than ``max_tasks_ahead`` launched tasks
+are unfinished on the device, and keeps issuing rounds meanwhile. (So up to
+``max_tasks_ahead + 1`` tasks are unfinished right after a launch, and one more under TP
+agreement, whose offer for the next task is posted as the current one launches.) Only
+``flush`` and stage 0's ring rule wait for rounds, both ends of those are issued, and
+both waits are bounded by ``timeout_s`` — below NCCL's own timeout
+(``mcore.session.device_timeout``), so RRFP's diagnosis comes first.
 
 Expert parallelism (MoE all-to-alls on NCCL, inside F and B): the expert-parallel group
 spans data-parallel replicas, i.e. ranks of *different pipelines*, so the agreement group is
@@ -53,20 +57,30 @@ universe holds every W, each dispatch enters the digest checked at every exchang
 ranks issue W's all-gathers at the same position of one task sequence (in the store's fixed
 order), on the compute stream like the TP collectives inside F and B.
 
-Out of scope of the argument: collectives that other pipelines issue at their own points
-(data-parallel gradient reductions overlapped with the backward); see the README.
-Under the B/W split (``mcore/grad_sync.SplitReadiness``) a stage's bucket reductions are
-issued at points fixed by its own task sequence, not by timing: the chunk's last B
-(buckets B completes, in bucket order), then inside the chunk's last W weight by weight in
-the store's fixed order — and the last W runs after the last B. So, without interleaving,
-every DP replica of a stage issues the same reductions in the same order, each at a point
-that is the same for all of them relative to its own tasks (what the argument asks of TP
-collectives); with several chunks the chunks' events can interleave differently per
-replica, which the argument does not cover.
+Data-parallel collectives join ranks of *other* pipelines at points of their own task
+sequences (``mcore/dp_overlap.py`` decides where they may overlap the task loop):
+* without interleaving, a stage's gradient reduction is issued inside its last backward:
+  after every round it still needs from downstream, before any round upstream needs from
+  it. By induction from the last stage up (the last stages' reductions need nothing from
+  upstream that is queued after an upstream reduction), every stage's reductions
+  complete; parameter all-gathers are issued by the optimizer step, before the call;
+* with interleaving on CUDA, chunk c's reduction and chunk c+1's all-gather fall between
+  rounds of other chunks, in both directions: outside the argument. There
+  ``overlap_grad_reduce`` (unless the backward is split: reductions then run after the
+  last W) and ``overlap_param_gather`` are refused before the iteration starts.
+* under the B/W split (``mcore/grad_sync.SplitReadiness``) a stage's bucket reductions are
+  issued at points fixed by its own task sequence, not by timing: the chunk's last B
+  (buckets B completes, in bucket order), then inside the chunk's last W weight by weight in
+  the store's fixed order, and the last W runs after the last B. Without interleaving every
+  DP replica of a stage thus issues the same reductions in the same order, each at a point
+  that is the same for all of them relative to its own tasks (what the argument asks of TP
+  collectives). With several chunks the chunks' events can interleave differently per
+  replica, so on CUDA with interleaving and DP > 1 SplitReadiness launches nothing inside
+  the loop and the reductions run after the last W (``grad_sync.finish``), outside the loop.
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated
-single-queue device (``tests/helpers/queue_device.py``).
+single-queue device (``megatron_rrfp/verify/queue_device.py``).
 """
 from __future__ import annotations
 
@@ -80,7 +94,6 @@ import torch
 from .transport import HEADER_LEN, Header, Message, TransportError, TransportStats, decode_header, encode_header
 
 RECORD_LEN = 4 + HEADER_LEN  # type, three fields, a message header
-_RING_RULE_TIMEOUT_S = 3600.0  # stage 0 waiting for its other pair's rounds (their peers issue them at once)
 ANNOUNCE, HEADER, ROUND, BYE = 1, 2, 3, 4
 
 
@@ -157,20 +170,23 @@ class RoundTransport:
 
     ``stage_of`` maps the global ranks of this pipeline to their stage index; neighbours
     are the ranks of ``stage_of`` other than ``rank`` that share a pair with it.
-    ``channel_factory(on_record, on_error)`` builds the host channel.
+    ``channel_factory(on_record, on_error)`` builds the host channel. ``timeout_s`` bounds
+    every wait of its own (the ring rule's; ``flush`` gets the executor's): RRFP's stall
+    timeout, which the device's own timeout (NCCL's watchdog) must exceed
+    (``mcore.session.device_timeout``), so RRFP's diagnosis prints first.
     """
 
     poll_interval_throttled = 0.0005
 
     def __init__(self, *, rank: int, stage_of: dict[int, int], neighbours: list[int], device: Device,
                  channel_factory: Callable[..., HostChannel], on_message: Callable[[Message], None],
-                 on_error: Callable[[BaseException], None], wake: Callable[[], None] = lambda: None,
-                 max_tasks_ahead: int = 2, name: str = "") -> None:
+                 on_error: Callable[[BaseException], None], timeout_s: float,
+                 wake: Callable[[], None] = lambda: None, max_tasks_ahead: int = 2, name: str = "") -> None:
         if max_tasks_ahead < 1:
             raise ValueError(f"max_tasks_ahead must be >= 1, got {max_tasks_ahead}")
         self.rank, self.name, self.device = rank, name, device
         self._on_message, self._on_error, self._wake = on_message, on_error, wake
-        self.max_tasks_ahead = max_tasks_ahead
+        self.max_tasks_ahead, self.timeout_s = max_tasks_ahead, timeout_s
         me = stage_of[rank]
         # By stage, so agreeing ranks of different pipelines (EP across replicas) list the same roles in one order.
         self._pairs = {p: _Pair(p, leader=me < stage_of[p]) for p in sorted(set(neighbours), key=stage_of.__getitem__)}
@@ -311,7 +327,7 @@ class RoundTransport:
 
     def _drain(self, pair: _Pair, timeout: Optional[float], why: str) -> None:
         for completion, _ in pair.in_flight:
-            limit = timeout if timeout is not None else _RING_RULE_TIMEOUT_S
+            limit = timeout if timeout is not None else self.timeout_s  # its peer issued it: it runs
             try:
                 done = completion.synchronize(limit)
             except Exception as exc:  # e.g. the peer died

@@ -33,6 +33,9 @@ raises PipelineStallError with its state (peer, ready set, counters). ``--nproc`
 ranks under torch's own launcher (torch.distributed.run, standalone rendezvous), which
 stops the other ranks with SIGTERM when one fails; a stopped rank first finishes reporting
 its own failure (signals.py) and the command exits non-zero (128 + signal for a killed rank).
+On GPUs a failed iteration is not recovered in-process (NCCL communicators with a dead peer
+are unusable; RRFP aborts its own): run under ``torchrun --max-restarts N`` with ``--load``,
+as scripts/slurm does, so the job restarts from its last checkpoint.
 
 Logs, TensorBoard, W&B and timers as Megatron-LM writes them: metrics.py. Preemption:
 ``--exit-signal-handler --exit-signal SIGUSR1`` saves and exits 0 on SIGUSR1 (signals.py).

@@ -19,6 +19,10 @@
 #   DATA_PATH    a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx) in both modes;
 #                unset: synthetic data (own driver) / --mock-data (Megatron-LM)
 #   PYTHON       interpreter (default python3); GPUS_PER_NODE (default: from SLURM / nvidia-smi)
+#   RRFP_MAX_RESTARTS  GPU mode: torchrun restarts every rank this often after a rank fails
+#                (default 3); the restarted ranks resume from the latest checkpoint. On GPUs a
+#                failed iteration (a dead peer, an RRFP stall) is not recovered in-process:
+#                NCCL communicators with a dead peer are unusable, so the job restarts.
 #
 # Preemption and time limits: the batch scripts ask for `--requeue` and `--signal=USR1@120`;
 # on SIGUSR1 every rank saves a checkpoint after its current iteration and exits 0
@@ -69,6 +73,8 @@ rrfp_setup() {
             export GLOO_SOCKET_IFNAME=lo   # one node: loopback (containers often resolve the hostname oddly)
         fi
     else
+        RRFP_MAX_RESTARTS=${RRFP_MAX_RESTARTS:-3}
+        rrfp_number RRFP_MAX_RESTARTS "$RRFP_MAX_RESTARTS"
         GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}}}
         GPUS_PER_NODE=${GPUS_PER_NODE##*:}   # "h100:8" -> 8
         # NCCL / InfiniBand: sane defaults; uncomment what your fabric needs.
@@ -112,7 +118,7 @@ rrfp_run() {
         # default action would kill it), its ranks inherit that and install their own handler.
         srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec "$@"' rrfp-torchrun \
             "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$GPUS_PER_NODE" \
-            --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
+            --max-restarts "$RRFP_MAX_RESTARTS" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
             --module "$module" "$@"
     fi
 }

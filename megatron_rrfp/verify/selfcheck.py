@@ -19,9 +19,21 @@ one GPU (every rank, on its own GPU)
 two or more GPUs (all ranks together, NCCL)
   nccl-stress          the NCCL rounds transport, random delays, both directions, random
                        message shapes, 20 iterations over every hint
-  megatron-equivalence a tiny GPT: RRFP's losses and gradients against Megatron's 1F1B
+  megatron-equivalence a tiny GPT, PP = every GPU: RRFP's losses and gradients against
+                       Megatron's 1F1B
+  equivalence-tp2-pp2  the same at TP=2 x PP=2 (4 GPUs; the rest data parallel): the TP
+                       agreement on NCCL
+  equivalence-pp4-chunks2-dp2
+                       PP=4 x 2 chunks x DP=2 (8 GPUs): interleaving and data-parallel
+                       reductions against Megatron's interleaved 1F1B
   te-bfw               Transformer Engine's own split driven by rrfp's W (split vs unsplit
                        main_grad, W order, DDP hook once per W); one GPU is enough
+
+Coverage limits, said here so a PASS is not read as more: the loopback step's rounds are
+CUDA copies (its first side does not block its queue as an NCCL kernel does, and its
+wait() blocks the host), so ordering deadlocks are the business of nccl-stress (real
+NCCL) and of the single-queue emulation on CPU (``verify/queue_device.py``). The whole
+run takes a few minutes on one 8-GPU node: torchrun --nproc-per-node 8 scripts/gpu_selfcheck.py
 """
 from __future__ import annotations
 
@@ -38,8 +50,12 @@ from dataclasses import asdict, dataclass
 from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
-STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "te-bfw")
+STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
+                   "te-bfw")
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
+GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
+               "equivalence-pp4-chunks2-dp2": 8}
+"""A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
 @dataclass
@@ -62,7 +78,8 @@ def step_environment(ctx) -> Result:
 
 
 _SERIALIZATION_PROBE = r"""
-import time, torch
+import sys, time, torch
+torch.cuda.set_device(int(sys.argv[1]))  # the rank's own GPU
 a, b, c = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
 x = torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 with torch.cuda.stream(a):
@@ -80,21 +97,24 @@ print("SERIALIZED" if tb >= 0.9 * ta else "CONCURRENT", f"{tb:.3f} {ta:.3f}")
 
 
 def step_queue_serialization(ctx) -> Result:
+    import torch
+
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
     try:
-        out = subprocess.run([sys.executable, "-c", _SERIALIZATION_PROBE], env=env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", _SERIALIZATION_PROBE, str(torch.cuda.current_device())], env=env,
+                             capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         return Result("queue-serialization", "FAIL", "the probe hung for 120 s")
     if out.returncode != 0:
         return Result("queue-serialization", "FAIL", f"probe failed: {out.stderr.strip()[-300:]}")
     verdict, tb, ta = out.stdout.split()
+    gpu = f"GPU {torch.cuda.current_device()}"
     if verdict == "SERIALIZED":
-        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 a kernel on stream B waited {tb}s behind another stream's "
-                  f"wait (long kernel {ta}s): one hardware queue, as the rounds protocol assumes")
+        detail = (f"{gpu}: with CUDA_DEVICE_MAX_CONNECTIONS=1 a kernel on stream B waited {tb}s behind another "
+                  f"stream's wait (long kernel {ta}s): one hardware queue, as the rounds protocol assumes")
     else:
-        detail = (f"with CUDA_DEVICE_MAX_CONNECTIONS=1 stream B finished after {tb}s while the long kernel took "
-                  f"{ta}s: this GPU/driver did not serialize here (the protocol does not rely on it either way)")
+        detail = (f"{gpu}: with CUDA_DEVICE_MAX_CONNECTIONS=1 stream B finished after {tb}s while the long kernel "
+                  f"took {ta}s: this GPU/driver did not serialize here (the protocol does not rely on it either way)")
     return Result("queue-serialization", "PASS", detail)
 
 
@@ -118,7 +138,8 @@ def step_loopback(ctx) -> Result:
         problem = "; ".join(errors) or check_finals(finals, Topology(2, chunks), microbatches)
         if problem:
             return Result("loopback", "FAIL", f"chunks={chunks} hint={hint} limit={limit}: {problem}")
-    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact")
+    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact "
+                                      "(rounds as CUDA copies: not NCCL's blocking; see nccl-stress)")
 
 
 def step_stage_memory(ctx) -> Result:
@@ -167,7 +188,18 @@ def step_one_context(ctx) -> Result:
 
 # --------------------------------------------------------------------------- multi-GPU steps
 
-def step_nccl_stress(ctx) -> Result:
+def stress_layout(world: int) -> tuple[int, int]:
+    """(TP, PP) of the stress step: TP=2 where the world allows it."""
+    tp = 2 if world >= 4 and world % 2 == 0 else 1
+    return tp, world // tp
+
+
+def stress(ctx, *, device, iterations: int = 20) -> str:
+    """The stress pipeline on every rank of the world; returns this rank's problem ("" if none).
+
+    Every value the TP ranks of a stage must agree on (hint, chunks, buffer limit) comes from
+    a generator seeded without the rank; kernel and host delays come from one seeded with it.
+    Device-agnostic: on CPU it runs the same rounds protocol over gloo (tests/test_gpu.py)."""
     import torch
     import torch.distributed as dist
 
@@ -179,23 +211,27 @@ def step_nccl_stress(ctx) -> Result:
     from ..runtime.executor import PipelineIteration
 
     world, rank = ctx["world"], dist.get_rank()
-    tp = 2 if world >= 4 and world % 2 == 0 else 1
-    pp = world // tp
+    tp, pp = stress_layout(world)
     pipeline = [s * tp + rank % tp for s in range(pp)]
     stage = pipeline.index(rank)
-    session = Session(pp_ranks=pipeline, agree_ranks=[stage * tp + t for t in range(tp)],
-                      device=torch.device("cuda", torch.cuda.current_device()), timeout_s=ctx["stall_timeout_s"],
-                      transport="rounds")
-    rng = random.Random(ctx["seed"] * 31 + rank)
+    tp_group = None
+    for s in range(pp):  # collective over the world, every stage's group in the same order
+        group = dist.new_group([s * tp + t for t in range(tp)]) if tp > 1 else None
+        tp_group = group if s == stage else tp_group
+    session = Session(pp_ranks=pipeline, agree_ranks=[stage * tp + t for t in range(tp)], device=device,
+                      timeout_s=ctx["stall_timeout_s"], transport="rounds")
+    shared = random.Random(ctx["seed"] * 31)  # the same draws on every rank
+    own = random.Random(ctx["seed"] * 31 + 1 + rank)  # delays: this rank's own
     problem = ""
     try:
-        for it in range(20):
+        for it in range(iterations):
             chunks = 2 if it % 4 == 3 else 1
             hint = ("bf", "bfw", "1f1b")[it % 3]
             topology, m = Topology(pp, chunks), 2 * pp
-            plan = Plan.build(ArbiterConfig(hint=hint, buffer_limit=rng.choice((2, 32))), topology, m)
+            plan = Plan.build(ArbiterConfig(hint=hint, buffer_limit=shared.choice((2, 32))), topology, m)
             finals: dict = {}
-            work = TokenWork(topology, stage, finals, random.Random(rng.random()), max_sleep_cycles=1_000_000)
+            work = TokenWork(topology, stage, finals, random.Random(own.random()), max_sleep_cycles=1_000_000,
+                             device=device, tp_group=tp_group)
             agreement = None
             if session.agreement_group is not None:
                 agreement = TPAgreement(session.agreement_group, num_microbatches=m, num_chunks=chunks,
@@ -204,26 +240,53 @@ def step_nccl_stress(ctx) -> Result:
             PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,
                               stage_ranks=pipeline, transport=session.transport, inbox=session.inbox,
                               agreement=agreement, timeout_s=ctx["stall_timeout_s"], forward_only=False).run()
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             if stage == 0:
-                problem = problem or check_finals(finals, topology, m)
+                problem = check_finals(finals, topology, m)
+            if problem:
+                problem = f"iteration {it} ({hint}, chunks={chunks}): {problem}"
+                break
     except BaseException as exc:  # noqa: BLE001 - reported by the step
         problem = f"{type(exc).__name__}: {exc}"
     finally:
         session.close()
+    return problem
+
+
+def step_nccl_stress(ctx) -> Result:
+    import torch
+    import torch.distributed as dist
+
+    world = ctx["world"]
+    problem = stress(ctx, device=torch.device("cuda", torch.cuda.current_device()))
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     bad = {r: p for r, p in enumerate(problems) if p}
     if bad:
         return Result("nccl-stress", "FAIL", f"{bad}")
+    tp, pp = stress_layout(world)
     return Result("nccl-stress", "PASS", f"TP={tp} x PP={pp}, 20 iterations (bf/bfw/1f1b, interleaved every 4th, "
-                                         "random kernel times and message shapes): values exact on every rank")
+                                         "random kernel times and message shapes, a TP all-reduce in every F and B"
+                                         f"{'' if tp > 1 else ' (TP=1 here: none)'}): values exact on every rank")
 
 
 def step_megatron_equivalence(ctx) -> Result:
     from .selfcheck_gpt import compare_with_megatron_on_gpu
 
-    return Result("megatron-equivalence", *compare_with_megatron_on_gpu(ctx))
+    return Result("megatron-equivalence", *compare_with_megatron_on_gpu(ctx, pp=ctx["world"]))
+
+
+def step_equivalence_tp2_pp2(ctx) -> Result:
+    from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+    return Result("equivalence-tp2-pp2", *compare_with_megatron_on_gpu(ctx, tp=2, pp=2))
+
+
+def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
+    from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+    return Result("equivalence-pp4-chunks2-dp2", *compare_with_megatron_on_gpu(ctx, pp=4, chunks=2))
 
 
 def step_te_bfw(ctx) -> Result:
@@ -335,7 +398,8 @@ def _ensure_model_parallel() -> None:
 STEP_FUNCTIONS: dict[str, Callable] = {
     "environment": step_environment, "queue-serialization": step_queue_serialization, "loopback": step_loopback,
     "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
-    "megatron-equivalence": step_megatron_equivalence, "te-bfw": step_te_bfw,
+    "megatron-equivalence": step_megatron_equivalence, "equivalence-tp2-pp2": step_equivalence_tp2_pp2,
+    "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, "te-bfw": step_te_bfw,
 }
 
 
@@ -379,8 +443,10 @@ def main(argv=None) -> int:
     results = []
     order = [s for s in STEPS if s in steps]  # one-context last: after every thread ran
     for step in order:
-        if step in STEPS_MULTI_GPU and step != "te-bfw" and world < 2:
-            results.append(Result(step, "SKIP", "needs >= 2 GPUs: torchrun --nproc-per-node 2 (or more)"))
+        need = GPUS_NEEDED.get(step, 1)
+        if world < need or world % need:
+            results.append(Result(step, "SKIP", f"needs a multiple of {need} GPUs (here {world}): "
+                                                f"torchrun --nproc-per-node {need} (or 8)"))
         else:
             faulthandler.dump_traceback_later(args.step_timeout, exit=True)  # a hang prints every thread's stack
             try:

@@ -3,7 +3,7 @@
 ``CudaLoopbackDevice`` is a ``rounds.Device`` whose rounds are CUDA copies between the two
 threads' streams (after both producers' events), so the shipped executor and
 ``RoundTransport`` run with real CUDA streams, events, caching-allocator buffers and host
-pacing — everything of the NCCL path except NCCL itself (``bench/selfcheck.py``).
+pacing — everything of the NCCL path except NCCL itself (``verify/selfcheck.py``).
 """
 from __future__ import annotations
 
@@ -99,29 +99,46 @@ class _LoopbackCompletion:
 # --------------------------------------------------------------------------- token work
 
 class TokenWork:
-    """``StageWork`` on CUDA: F adds 1, the last stage's B starts at 10x its output, earlier
-    B's add 1; random kernel times; message shapes vary with the microbatch."""
+    """``StageWork``: F adds 1, the last stage's B starts at 10x its output, earlier B's add 1;
+    random kernel (CUDA) or host (CPU) times; message shapes vary with the microbatch. With
+    ``tp_group`` each F and B all-reduces its result over the stage's TP ranks and divides
+    by their number (exact for a power of two): TP ranks that ran different tasks here mix
+    different microbatches' values, which ``check_finals`` sees."""
 
-    def __init__(self, topology, stage: int, finals: dict, rng: random.Random, max_sleep_cycles: int) -> None:
+    def __init__(self, topology, stage: int, finals: dict, rng: random.Random, max_sleep_cycles: int,
+                 device="cuda", tp_group=None) -> None:
+        import torch
+
         self.topology, self.stage, self.finals, self.rng = topology, stage, finals, rng
-        self.max_sleep_cycles = max_sleep_cycles
+        self.max_sleep_cycles, self.device, self.tp_group = max_sleep_cycles, torch.device(device), tp_group
         self.saved: dict = {}
 
     def _busy(self) -> None:
         import torch
 
-        if self.max_sleep_cycles:
+        if self.device.type == "cuda" and self.max_sleep_cycles:
             torch.cuda._sleep(self.rng.randrange(self.max_sleep_cycles))
+        elif self.max_sleep_cycles:
+            time.sleep(self.rng.random() * self.max_sleep_cycles / 1e9)  # ~ the cycles of a GHz device
         if self.rng.random() < 0.2:
             time.sleep(self.rng.random() * 0.002)  # the host falls behind now and then
+
+    def _tensor_parallel(self, value):
+        if self.tp_group is None:
+            return value
+        import torch.distributed as dist
+
+        total = value.clone()
+        dist.all_reduce(total, group=self.tp_group)  # inside the task, as a TP layer's would be
+        return total / dist.get_world_size(self.tp_group)
 
     def forward(self, task, input_tensor, send) -> None:
         import torch
 
         self._busy()
         shape = (2 + task.microbatch % 3, 4)
-        base = torch.full(shape, float(task.microbatch), device="cuda") if input_tensor is None else input_tensor
-        out = base + 1
+        base = torch.full(shape, float(task.microbatch), device=self.device) if input_tensor is None else input_tensor
+        out = self._tensor_parallel(base + 1)
         self.saved[(task.microbatch, task.chunk)] = out
         if send is not None:
             send(out)
@@ -129,7 +146,7 @@ class TokenWork:
     def backward(self, task, output_grad, send) -> None:
         self._busy()
         out = self.saved.pop((task.microbatch, task.chunk))
-        grad = out * 10 if self.topology.is_last(self.stage, task.chunk) else output_grad + 1
+        grad = self._tensor_parallel(out * 10 if self.topology.is_last(self.stage, task.chunk) else output_grad + 1)
         if self.topology.is_first(self.stage, task.chunk):
             self.finals[task.microbatch] = grad
         if send is not None:
@@ -176,7 +193,7 @@ def loopback_pipeline(*, chunks: int, hint: str, buffer_limit: int, microbatches
                     rank=stage, stage_of={0: 0, 1: 1}, neighbours=[1 - stage],
                     device=CudaLoopbackDevice(stage, rounds, lock, copy_stream),
                     channel_factory=lambda on_record, on_error: EmulatedChannel(hub, stage, on_record, on_error),
-                    on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake)
+                    on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake, timeout_s=timeout_s)
                 work = work_factory(topology, stage, random.Random(seed + stage))
                 for _ in range(iterations):
                     PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,

@@ -1,8 +1,8 @@
-"""Issue 14 check: interleaved speedups over strict interleaved 1F1B (simulator, one process).
+"""Interleaved speedups over strict interleaved 1F1B (simulator, one process).
 
-    python scripts/issue14_eval.py                                # six j3 points, default/zbh1/bfw at 1x
-    python scripts/issue14_eval.py --policies default,zbh1 --buffer-limit 1.5x --seeds 12
-    python scripts/issue14_eval.py --grid                         # + the no-jitter grid (default vs its strict hint)
+    python scripts/sim_interleaved_speedups.py         # six j3 points, default/zbh1/bfw at 1x
+    python scripts/sim_interleaved_speedups.py --policies default,zbh1 --buffer-limit 1.5x --seeds 12
+    python scripts/sim_interleaved_speedups.py --grid  # + the no-jitter grid (default vs its strict hint)
 
 j3 points: PP in {4, 8, 16} x chunks in {2, 4}, M = 4 PP, median over seeds of the per-seed ratio
 (the same as `megatron-rrfp simulate --reference`). Targets: default >= 1.10, split backward >= 1.25.

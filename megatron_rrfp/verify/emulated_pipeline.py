@@ -237,7 +237,7 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
             transport = _ROUNDS[job.protocol](
                 rank=rank, stage_of={r: i for i, r in enumerate(pipeline)}, neighbours=neighbours, device=device,
                 channel_factory=lambda on_record, on_error: EmulatedChannel(hub, rank, on_record, on_error),
-                on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake)
+                on_message=inbox.put, on_error=inbox.fail, wake=inbox.wake, timeout_s=job.timeout_s)
         else:
             transport = EarlyReceiveTransport(rank=rank, fabric=fabric, neighbours=neighbours, on_message=inbox.put,
                                               on_error=inbox.fail)
