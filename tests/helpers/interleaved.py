@@ -10,7 +10,8 @@ import random
 
 
 def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
-                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto") -> dict:
+                        max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto",
+                        hint: str = "default") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
@@ -52,7 +53,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     step = models.gpt_forward_step if model == "gpt" else mlp.mlp_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
-    options = RRFPConfig(timeout_s=60, transport=transport)
+    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint)
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
@@ -90,5 +91,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
 
 
 def compare_interleaved_transports(transports: tuple[str, ...], **kwargs) -> list[dict]:
-    """``compare_interleaved`` once per transport, in one launch."""
-    return [compare_interleaved(transport=transport, **kwargs) for transport in transports]
+    """``compare_interleaved`` once per transport (a name, or (name, hint)), in one launch."""
+    runs = [(t, kwargs.get("hint", "default")) if isinstance(t, str) else t for t in transports]
+    kwargs.pop("hint", None)
+    return [compare_interleaved(transport=transport, hint=hint, **kwargs) for transport, hint in runs]
