@@ -238,6 +238,10 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "--model multimodal needs megatron_rrfp.train.recipes.multimodal, which this installation lacks")
     if c.model == "multimodal":
         _check_multimodal(c)
+    elif c.data_path is not None:  # every rank, before any collective (GPTDataset hangs on too few tokens)
+        from .data import check_indexed_dataset
+
+        check_indexed_dataset(c.data_path, c.seq_length)
     if world_size is not None:
         check_layout(c, world_size)
 
