@@ -7,8 +7,11 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from . import __version__
+from . import __version__, quiet
 from .checks import OneLineParser, report_error
+
+_RUNS_MEGATRON = ("demo", "bench", "train")
+"""Subcommands whose ranks import megatron-core: they say the one line of quiet.py."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,10 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as exc:  # user errors: one clear line, no traceback
-        return report_error(f"megatron-rrfp {args.command}", exc)
+    with quiet.for_entry_point(announce=args.command in _RUNS_MEGATRON):
+        try:
+            return args.func(args)
+        except (ValueError, OSError) as exc:  # user errors: one clear line, no traceback
+            return report_error(f"megatron-rrfp {args.command}", exc)
 
 
 if __name__ == "__main__":

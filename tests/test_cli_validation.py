@@ -323,3 +323,35 @@ def test_study_config_checks_everything_before_simulating():
         StudyConfig(pipeline_size=2, variability=Variability(straggler_stage=2))
     with pytest.raises(ValueError, match="--policies"):
         StudyConfig(policies=[])
+
+
+def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(capsys):
+    """Issue 23: only the CLI entry points hide megatron-core's known dependency warnings; a
+    command run in-process puts the caller's filters, loggers and environment back."""
+    import logging
+    import warnings
+
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401 - its own import-time filters come first
+
+    from megatron_rrfp import quiet
+
+    before = list(warnings.filters)
+    import megatron_rrfp  # noqa: F401
+    from megatron_rrfp.mcore.schedule import forward_backward_rrfp  # noqa: F401
+
+    assert warnings.filters == before and quiet.ENV not in os.environ
+    assert not [f for f in warnings.filters if getattr(f[3], "pattern", f[3]) == r"megatron\."]  # none of ours
+    quiet.from_environment()  # a process no CLI started: nothing
+    assert warnings.filters == before
+    assert main(["simulate", "--pp", "2", "-m", "4", "--seeds", "1", "--policies", "bf"]) == 0
+    assert warnings.filters == before and quiet.ENV not in os.environ
+    assert not logging.getLogger("torch.utils.cpp_extension").filters
+    with quiet.for_entry_point(announce=False):
+        assert os.environ[quiet.ENV] == "1"
+        with pytest.warns(UserWarning, match="ours"):  # not a megatron-core note: still shown
+            warnings.warn("ours", UserWarning, stacklevel=1)
+        with warnings.catch_warnings(record=True) as caught:
+            exec(compile("import warnings; warnings.warn('Apex is not installed. Falling back to Torch Norm')",
+                         "backends.py", "exec"), {"__name__": "megatron.core.models.backends"})
+        assert not caught
+    assert warnings.filters == before and quiet.ENV not in os.environ

@@ -107,3 +107,33 @@ def test_indexed_data_bf16_and_torch_dist_checkpoints_resume_exactly(tmp_path):
     assert sorted(continued) == list(range(last + 1, 7))
     for i, loss in {**losses(stopped), **continued}.items():
         assert loss == pytest.approx(expected[i], rel=1e-6), (i, loss, expected[i])
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_data_path_without_one_sample_is_refused_on_every_rank_before_any_collective(tmp_path):
+    """Issue 23: megatron-core's GPTDataset looped forever on rank 0 over zero tokens while
+    rank 1 waited at its barrier (10 minutes, then a gloo timeout)."""
+    import time
+
+    from megatron_rrfp.train.data import write_indexed_dataset
+
+    def refusal(prefix: str, tokens: int) -> str:
+        return f"--data-path {prefix!r} holds {tokens} tokens; one sample of --seq-length 32 needs 33"
+
+    empty = write_indexed_dataset(str(tmp_path / "empty"), [[]])  # one document of zero tokens
+    start = time.monotonic()
+    code, output = run(*flags(empty, str(tmp_path / "ckpt")))  # the launching process refuses: no rank starts
+    assert code == 2 and output.count(refusal(empty, 0)) == 1, output[-4000:]
+    assert time.monotonic() - start < 60, output[-4000:]
+    # each rank refuses too when started by a launcher that did not check (torchrun, srun):
+    # fewer tokens than one sample
+    short = write_indexed_dataset(str(tmp_path / "short"), [list(range(20))])
+    argv = flags(short, str(tmp_path / "ckpt"))
+    at = argv.index("--nproc")
+    script = ("import sys; from megatron_rrfp.dist.torchrun import run_module; sys.exit(run_module(2, "
+              f"'megatron_rrfp.train', {argv[:at] + argv[at + 2:]!r}, env={{'CUDA_VISIBLE_DEVICES': ''}}))")
+    start = time.monotonic()
+    ranks = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert ranks.returncode == 2 and ranks.stderr.count(refusal(short, 20)) == 2, ranks.stderr[-4000:]
+    assert time.monotonic() - start < 90, ranks.stderr[-4000:]

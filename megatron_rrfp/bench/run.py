@@ -389,8 +389,10 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     from tqdm import tqdm
 
     from ..dist.launcher import launch
+    from ..quiet import announce
     from .emulation import SendTimeTable, remove_stale_tables, shared_table_path
 
+    announce()  # before the progress bar, never over it
     remove_stale_tables()
     tag = f"{os.getpid()}-{int(time.time())}"
     progress_path = os.path.join(config.out_dir, f".progress-{tag}")

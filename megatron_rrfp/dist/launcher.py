@@ -61,7 +61,7 @@ _TAIL_LINES = 30
 _TAIL_CHARS = 4000
 _HOST = "127.0.0.1"
 # What the fork server imports once for all ranks: what every rank imports anyway.
-_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+_PRELOAD = ("megatron_rrfp.dist.rank_filters", "torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
             "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
             "megatron.core.distributed", "megatron.core.optimizer")
 
@@ -166,6 +166,9 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
         raise ValueError(f"start_method={start_method!r}: use 'spawn', 'forkserver' or None (automatic)")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))  # fail here, not in 4 children
     child_env = _child_env(env)
+    from ..quiet import announce
+
+    announce()  # a CLI command's one line for megatron-core's notes, which its ranks hide (quiet.py)
 
     import torch.distributed as dist  # lazy: see module docstring
 
@@ -382,6 +385,9 @@ def _child_main(spec: _RankSpec, launcher_alive) -> None:
     _die_with_launcher(spec, launcher_alive)
     os.environ.clear()
     os.environ.update(spec.env)
+    from ..quiet import from_environment
+
+    from_environment()  # started by a CLI command: its filter for known dependency warnings
     import faulthandler
 
     stacks = open(spec.path("stacks"), "w")

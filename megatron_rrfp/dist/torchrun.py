@@ -27,6 +27,10 @@ def run_module(nproc: int, module: str, args: Sequence[str], *, env: Optional[di
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from ..quiet import announce
+
+    announce()  # the ranks inherit the filter (quiet.ENV); the line is said here, once
+
     os.environ.update({str(k): str(v) for k, v in (env or {}).items()})  # the agent's workers inherit it
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # containers often resolve the hostname to no route

@@ -260,6 +260,8 @@ class Arbiter:
         if self.forward_only or not any(t.kind is Kind.F for t in ready):
             return ready
         frontier = self.admission_frontier()
+        if frontier >= self.num_microbatches - 1:  # every forward admitted
+            return ready
         return {t for t in ready if t.kind is not Kind.F or t.microbatch <= frontier}
 
     def admission_frontier(self) -> int:

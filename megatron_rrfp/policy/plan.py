@@ -60,6 +60,8 @@ def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> 
     plan = Plan(config, topology, num_microbatches,
                 None if orders is None else tuple(tuple(order) for order in orders))
     arbiters = plan.arbiters()  # validates every stage's order
+    if not config.strict:  # strict runs the order's own memory; the limit does not bind it
+        hint.check_memory(topology, num_microbatches, arbiters[0].buffer_limit)
     if config.strict:
         try:
             run(arbiters, topology, duration=constant_durations(plan.split_backward), name=hint.name)

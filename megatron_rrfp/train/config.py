@@ -271,6 +271,10 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              "--model multimodal needs megatron_rrfp.train.recipes.multimodal, which this installation lacks")
     if c.model == "multimodal":
         _check_multimodal(c)
+    elif c.data_path is not None:  # every rank, before any collective (GPTDataset hangs on too few tokens)
+        from .data import check_indexed_dataset
+
+        check_indexed_dataset(c.data_path, c.seq_length)
     _check_moe(c)
     _require(c.model == "hybrid" or c.hybrid_layer_pattern is None, "--hybrid-layer-pattern needs --model hybrid")
     if c.model == "hybrid":

@@ -30,7 +30,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["IndexedTokens", "SyntheticTokens", "gpt_batch", "synthetic_tokens", "write_indexed_dataset"]
+__all__ = ["IndexedTokens", "SyntheticTokens", "check_indexed_dataset", "gpt_batch", "synthetic_tokens",
+           "write_indexed_dataset"]
 
 MAX_STRIDE = 7  # synthetic progressions step by 1..MAX_STRIDE tokens
 
@@ -108,6 +109,33 @@ class _TokenIds:
         return {"class": "megatron_rrfp.train.data._TokenIds", "vocab_size": self.vocab_size}
 
 
+def check_indexed_dataset(prefix: str, seq_length: int) -> int:
+    """The token count of the indexed dataset at ``prefix``, read from its index with
+    megatron-core's IndexedDataset; ValueError naming --data-path where the files are missing
+    or the tokens do not fill one sample (seq_length + 1). Every rank calls it before any
+    collective: megatron-core's GPTDataset loops forever on rank 0 over zero tokens
+    (``_get_num_epochs``) while the other ranks wait at its barrier. Read without mmap: an
+    empty .bin cannot be mapped."""
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
+            raise ValueError(f"--data-path {prefix!r}: {prefix + suffix} not found (give the prefix of a Megatron "
+                             "indexed dataset: PREFIX.bin and PREFIX.idx, e.g. from Megatron-LM's "
+                             "tools/preprocess_data.py or `python -m megatron_rrfp.train.data PREFIX`)")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        index = IndexedDataset(prefix, mmap=False)  # held: its lengths are a view of the index's mmap
+        tokens = int(np.sum(index.sequence_lengths, dtype=np.int64))
+        del index
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: megatron-core's own words
+        raise ValueError(f"--data-path {prefix!r}: not a readable Megatron indexed dataset "
+                         f"({type(exc).__name__}: {exc})") from None
+    if tokens < seq_length + 1:
+        raise ValueError(f"--data-path {prefix!r} holds {tokens} tokens; one sample of --seq-length {seq_length} "
+                         f"needs {seq_length + 1} (seq_length + 1): give a larger dataset or a shorter --seq-length")
+    return tokens
+
+
 class IndexedTokens(_IndexedSource):
     """Samples of megatron-core's GPTDataset over an indexed dataset (see the module doc).
 
@@ -118,11 +146,7 @@ class IndexedTokens(_IndexedSource):
     def __init__(self, prefix: str, *, vocab_size: int, num_samples: int, seed: int, build: bool,
                  cache_dir: Optional[str] = None, **common) -> None:
         super().__init__(**common)
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise ValueError(f"--data-path {prefix!r}: {prefix + suffix} not found (give the prefix of a Megatron "
-                                 "indexed dataset: PREFIX.bin and PREFIX.idx, e.g. from Megatron-LM's "
-                                 "tools/preprocess_data.py or `python -m megatron_rrfp.train.data PREFIX`)")
+        check_indexed_dataset(prefix, self.seq_length)
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 

@@ -151,6 +151,9 @@ def setup(cfg: TrainConfig):
         distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed
     env = distenv.detect()
     dp = check_layout(cfg, env.world_size)
+    from ..quiet import announce
+
+    announce()  # rank 0 of a job started per rank (srun): the one line for megatron-core's notes
     import random
 
     import numpy as np
@@ -441,7 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_and_report(build_parser().parse_args(argv))
+    from ..quiet import for_entry_point
+
+    args = build_parser().parse_args(argv)
+    with for_entry_point(announce=True):  # a rank of `train --nproc` inherits the filter, not the line
+        return run_and_report(args)
 
 
 def run_and_report(args: argparse.Namespace) -> int:

@@ -98,8 +98,10 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
 
 
 def compare_interleaved_transports(transports: tuple[str, ...], **kwargs) -> list[dict]:
-    """``compare_interleaved`` once per transport, in one launch."""
-    return [compare_interleaved(transport=transport, **kwargs) for transport in transports]
+    """``compare_interleaved`` once per transport (a name, or (name, hint)), in one launch."""
+    runs = [(t, kwargs.get("hint", "default")) if isinstance(t, str) else t for t in transports]
+    kwargs.pop("hint", None)
+    return [compare_interleaved(transport=transport, hint=hint, **kwargs) for transport, hint in runs]
 
 
 def compare_interleaved_cases(cases: list[dict]) -> list[dict]:
