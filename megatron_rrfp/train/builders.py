@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 
 from . import hybrid, models
-from .config import moe_options
 from .recipes import multimodal
 
 _SPEC_FIELDS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads", "image_size", "patch_size",
@@ -50,6 +49,16 @@ def transformer_config(cfg):
     if getattr(cfg, "sequence_parallel", False):
         sizes.update(sequence_parallel=True)
     return models.tiny_gpt_config(**sizes, **moe_options(cfg))
+
+
+def moe_options(c) -> dict:
+    """TransformerConfig fields for MoE (empty for a dense model); grouped GEMM off (it needs
+    the grouped_gemm CUDA kernels, and the split backward covers SequentialMLP's linears)."""
+    if c.num_experts is None:
+        return {}
+    return dict(num_moe_experts=c.num_experts, expert_model_parallel_size=c.expert_model_parallel_size,
+                moe_router_topk=c.moe_router_topk, moe_token_dispatcher_type=c.moe_token_dispatcher_type,
+                moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_grouped_gemm=False)
 
 
 def build_model(cfg, device: torch.device):

@@ -65,7 +65,7 @@ class TrainConfig:
     micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
     global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
                                    "parallelism")
-    # mixture of experts (Megatron-LM's flags; see moe_options)
+    # mixture of experts (Megatron-LM's flags; see builders.moe_options)
     num_experts: Optional[int] = _flag(None, "MoE: experts per MLP layer (SequentialMLP, local spec); default: dense",
                                        "mixture of experts", type=int)
     expert_model_parallel_size: int = _flag(1, "MoE: expert-parallel degree (divides the data-parallel size and "
@@ -338,16 +338,6 @@ def _check_moe(c: TrainConfig) -> None:
     _require(c.model == "gpt", "--num-experts is offered for --model gpt")
     _require(experts % ep == 0, f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(c.moe_router_topk <= experts, f"--moe-router-topk {c.moe_router_topk} exceeds --num-experts {experts}")
-
-
-def moe_options(c: TrainConfig) -> dict:
-    """TransformerConfig fields for MoE (empty for a dense model); grouped GEMM off (it needs
-    the grouped_gemm CUDA kernels, and the split backward covers SequentialMLP's linears)."""
-    if c.num_experts is None:
-        return {}
-    return dict(num_moe_experts=c.num_experts, expert_model_parallel_size=c.expert_model_parallel_size,
-                moe_router_topk=c.moe_router_topk, moe_token_dispatcher_type=c.moe_token_dispatcher_type,
-                moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_grouped_gemm=False)
 
 
 def _require(condition: bool, message: str) -> None:
