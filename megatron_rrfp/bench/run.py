@@ -33,6 +33,7 @@ from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec, check_limit_spec, starting_limit
 from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
+from .stages import build_stage, with_ddp
 from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list, tradeoff_section
 from .sweep import SIM_POLICY as _SIM_POLICY
 
@@ -181,74 +182,6 @@ class BenchConfig:
 
 # -- what each rank runs --------------------------------------------------------------
 
-def _moe_options(workload: Variability) -> dict:
-    """The benchmark's MoE GPT: megatron-core's experts (SequentialMLP, alltoall dispatcher,
-    aux loss); the emulated durations carry the modeled expert load (sim/variability.py)."""
-    if not workload.num_experts:
-        return {}
-    return dict(num_moe_experts=workload.num_experts, expert_model_parallel_size=workload.expert_parallel,
-                moe_router_topk=workload.moe_topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                moe_aux_loss_coeff=0.01)
-
-
-def _build_stage(config: BenchConfig):
-    from megatron.core import parallel_state
-
-    from ..train import models
-
-    if config.model in ("gpt", "hybrid"):
-        # batch_p2p_comm off: Megatron's interleaved schedule computes wrong gradients with it at PP=2
-        tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1,
-                                         sequence_parallel=config.sequence_parallel,
-                                         **_moe_options(config.workload))
-        vp_stages = [c if config.num_chunks > 1 else None for c in range(config.num_chunks)]
-        if config.model == "gpt":
-            chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,
-                                             vp_stage=vp) for vp in vp_stages]
-        else:  # as many layers as the GPT stages (tiny_gpt_config: 2 per chunk), as attention + MLP layers
-            pattern = "|".join(["*-"] * (config.pipeline_size * config.num_chunks))
-            chunks = [models.build_hybrid_stage(tconfig, hybrid_layer_pattern=pattern, vocab_size=128,
-                                                seq_length=config.seq_length, seed=config.seed, vp_stage=vp)
-                      for vp in vp_stages]
-
-        def data(seed: int):
-            seed += 1_000_003 * parallel_state.get_data_parallel_rank()  # each replica its own tokens
-            iterators = [models.synthetic_gpt_batches(seed=seed, micro_batch_size=config.micro_batch_size,
-                                                      seq_length=config.seq_length, vocab_size=128)
-                         for _ in chunks]
-            return iterators if len(chunks) > 1 else iterators[0]
-        return (chunks if len(chunks) > 1 else chunks[0]), models.gpt_forward_step, data
-    from ..train.recipes import multimodal
-
-    spec = multimodal.MultimodalSpec(seq_length=config.seq_length)
-    tconfig = multimodal.multimodal_config(hidden_size=config.hidden_size)
-    stage = multimodal.build_multimodal_stage(tconfig, spec, seed=config.seed)
-
-    def data(seed: int):
-        return multimodal.synthetic_multimodal_batches(
-            spec, seed=seed, micro_batch_size=config.micro_batch_size,
-            images_per_sample_mean=max(config.workload.images_per_sample, 1.0))
-    return stage, multimodal.multimodal_forward_step, data
-
-
-def _with_ddp(config: BenchConfig, stage):
-    """--overlap-grad-reduce / --use-distributed-optimizer: megatron-core DDP around every
-    chunk, config hooked as Megatron-LM's training loop hooks it (the same for every schedule)."""
-    if not (config.overlap_grad_reduce or config.use_distributed_optimizer):
-        return stage
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-    chunks = stage if isinstance(stage, list) else [stage]
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=config.overlap_grad_reduce,
-                                               use_distributed_optimizer=config.use_distributed_optimizer)
-    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in chunks]
-    tconfig = chunks[0].config
-    tconfig.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    return wrapped if isinstance(stage, list) else wrapped[0]
-
-
 def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_path: Optional[str] = None) -> dict:
     """Run every schedule on this rank; returns measured figures (rank 0 holds the totals)."""
     import torch
@@ -275,8 +208,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     topology = Topology(pp, config.num_chunks)
-    stage, forward_step, data = _build_stage(config)
-    stage = _with_ddp(config, stage)
+    stage, forward_step, data = build_stage(config)
+    stage = with_ddp(config, stage)
     parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
     megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
         else forward_backward_pipelining_without_interleaving
