@@ -4,8 +4,9 @@ the format Megatron-LM saves by default.
 Layout (Megatron-LM's)::
 
     DIR/latest_checkpointed_iteration.txt    "6", written by rank 0 after the collective save
-    DIR/iter_0000006/                        dist_checkpointing: metadata.json, common.pt,
-                                             .metadata and the __*.distcp shards
+    DIR/iter_0000006/                        dist_checkpointing: metadata.json, common.pt
+                                             (up to 0.18; 0.19 keeps it inside), .metadata
+                                             and the __*.distcp shards
 
 State: ``model`` (the stage's ``sharded_state_dict``: GPTModel keys as Megatron-LM's local
 spec names them), ``optimizer`` (megatron-core's ``optimizer.sharded_state_dict``),
