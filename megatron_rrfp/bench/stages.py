@@ -9,13 +9,12 @@ __all__ = ["build_stage", "moe_options", "with_ddp"]
 
 
 def moe_options(workload: Variability) -> dict:
-    """The benchmark's MoE GPT: megatron-core's experts (SequentialMLP, alltoall dispatcher,
-    aux loss); the emulated durations carry the modeled expert load (sim/variability.py)."""
-    if not workload.num_experts:
-        return {}
-    return dict(num_moe_experts=workload.num_experts, expert_model_parallel_size=workload.expert_parallel,
-                moe_router_topk=workload.moe_topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                moe_aux_loss_coeff=0.01)
+    """The benchmark's MoE GPT (alltoall dispatcher, aux loss); the emulated durations carry
+    the modeled expert load (sim/variability.py)."""
+    from ..train import models
+
+    return models.moe_fields(num_experts=workload.num_experts, expert_parallel=workload.expert_parallel,
+                             topk=workload.moe_topk, dispatcher="alltoall", aux_loss_coeff=0.01)
 
 
 def build_stage(config):

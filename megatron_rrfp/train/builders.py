@@ -52,13 +52,10 @@ def transformer_config(cfg):
 
 
 def moe_options(c) -> dict:
-    """TransformerConfig fields for MoE (empty for a dense model); grouped GEMM off (it needs
-    the grouped_gemm CUDA kernels, and the split backward covers SequentialMLP's linears)."""
-    if c.num_experts is None:
-        return {}
-    return dict(num_moe_experts=c.num_experts, expert_model_parallel_size=c.expert_model_parallel_size,
-                moe_router_topk=c.moe_router_topk, moe_token_dispatcher_type=c.moe_token_dispatcher_type,
-                moe_aux_loss_coeff=c.moe_aux_loss_coeff, moe_grouped_gemm=False)
+    """TransformerConfig fields for ``train``'s MoE flags (empty for a dense model)."""
+    return models.moe_fields(num_experts=c.num_experts, expert_parallel=c.expert_model_parallel_size,
+                             topk=c.moe_router_topk, dispatcher=c.moe_token_dispatcher_type,
+                             aux_loss_coeff=c.moe_aux_loss_coeff)
 
 
 def build_model(cfg, device: torch.device):

@@ -24,6 +24,17 @@ __all__ = ["build_gpt_stage", "build_hybrid_stage", "gpt_forward_step", "paralle
 # --------------------------------------------------------------------------- config
 
 
+def moe_fields(*, num_experts: int | None, expert_parallel: int, topk: int, dispatcher: str,
+               aux_loss_coeff: float) -> dict:
+    """TransformerConfig fields of a MoE GPT (empty for a dense one: ``num_experts`` None or 0):
+    megatron-core's SequentialMLP experts; grouped GEMM off (it needs the grouped_gemm CUDA
+    kernels, and the split backward covers SequentialMLP's linears)."""
+    if not num_experts:
+        return {}
+    return dict(num_moe_experts=num_experts, expert_model_parallel_size=expert_parallel, moe_router_topk=topk,
+                moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=aux_loss_coeff, moe_grouped_gemm=False)
+
+
 def tiny_gpt_config(**overrides) -> TransformerConfig:
     """A tiny fp32 TransformerConfig that runs on CPU; keyword ``overrides`` win.
 
