@@ -17,12 +17,13 @@ from megatron_rrfp.dist.launcher import launch
 HIDDEN, FFN, SEQ, MBS, MICROBATCHES = 16, 32, 8, 2, 4
 
 
-def _stage(ddp: str, *, fused: bool, delay: bool = False):
+def _stage(ddp: str, *, fused: bool, delay: bool = False, bias: str = "none", ub: bool = False, experts: int = 0):
     from helpers.te_standin import StandInStage
     from megatron_rrfp.train import models
 
     config = models.tiny_gpt_config()
-    stage = StandInStage(config, hidden=HIDDEN, ffn=FFN, seed=5, fused=fused, delay=delay)
+    stage = StandInStage(config, hidden=HIDDEN, ffn=FFN, seed=5, fused=fused, delay=delay, bias=bias,
+                         ub_bulk_dgrad=ub, experts=experts)
     model = stage
     if ddp:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -44,50 +45,77 @@ def _grads(stage) -> dict:
             for n, p in stage.named_parameters()}
 
 
-def _run(ddp: str, fused: bool, split: bool, iterations: int = 2) -> tuple[list, dict]:
-    """Per-iteration gradients; split: B of every microbatch deferred (in order), then W in
-    the same order, all under no_sync; unsplit: megatron's pattern (sync for the last)."""
+def _te_modules(stage):
+    mods = [stage.te1, stage.te2]
+    if stage.experts is not None:
+        mods += [stage.experts.linear_fc1, stage.experts.linear_fc2]
+    return mods
+
+
+def _run(ddp: str, fused: bool, split: bool, *, iterations: int = 2, bias: str = "none", fp8: bool = False,
+         first: bool = False, max_pending=None, experts: int = 0) -> tuple[list, dict]:
+    """Per-iteration gradients. As the executor drives it: every F outside any deferring, B of
+    each microbatch inside ``deferring`` (after all F), then W in B order, all under no_sync;
+    unsplit: megatron's pattern (sync for the last). ``first``: megatron's is_first_microbatch
+    (set at each iteration's start, as its schedules do)."""
     import contextlib
 
+    from helpers import te_standin
     from megatron_rrfp.mcore import wgrad
 
-    stage, model = _stage(ddp, fused=fused)
+    stage, model = _stage(ddp, fused=fused, bias=bias, experts=experts)
     facts = {}
     store = None
     if split:
         wgrad.install([model])
-        store = wgrad.WeightGradStore(models=[model])
+        store = wgrad.WeightGradStore(models=[model], max_pending=max_pending)
         facts["deferred"] = sorted(p for p in _names(stage, wgrad.deferred_parameters([model])))
     hook_calls = _count_ddp_hooks(model, stage) if ddp else None
     out = []
-    for _ in range(iterations):
-        if ddp:
-            model.zero_grad_buffer()
-        else:
-            stage.zero_grad()
-        xs = _inputs()
-        if split:
-            with model.no_sync() if ddp else contextlib.nullcontext():
+    with te_standin.fp8_autocast(fp8):
+        for _ in range(iterations):
+            if ddp:
+                model.zero_grad_buffer()
+            else:
+                stage.zero_grad()
+            stage.is_first_microbatch = True if first else None
+            xs = _inputs()
+            if split:
+                with model.no_sync() if ddp else contextlib.nullcontext():
+                    losses = [model(x).pow(2).sum() for x in xs]  # F: outside any deferring
+                    for mb, loss in enumerate(losses):
+                        with store.deferring((mb, 0)):
+                            loss.backward()
+                    facts["after_b_weight_grads"] = {n: (p.grad is not None and bool(p.grad.abs().max() > 0))
+                                                     for n, p in stage.named_parameters() if "weight" in n
+                                                     and "norm" not in n}
+                    facts["queued_after_b"] = [m.wgrad_store.context.qsize() for m in _te_modules(stage)]
+                    facts["pending_bytes_after_b"] = store.pending_bytes()
+                    for mb in range(MICROBATCHES):
+                        store.run((mb, 0))
+                facts["pending_after_w"] = store.pending()
+            else:
                 for mb, x in enumerate(xs):
-                    with store.deferring((mb, 0)):
+                    sync = model.no_sync() if ddp and mb < MICROBATCHES - 1 else contextlib.nullcontext()
+                    with sync:
                         model(x).pow(2).sum().backward()
-                facts["after_b_weight_grads"] = {n: (p.grad is not None and bool(p.grad.abs().max() > 0))
-                                                 for n, p in stage.named_parameters() if "te" in n}
-                facts["pending_bytes_after_b"] = store.pending_bytes()
-                for mb in range(MICROBATCHES):
-                    store.run((mb, 0))
-            facts["pending_after_w"] = store.pending()
-        else:
-            for mb, x in enumerate(xs):
-                sync = model.no_sync() if ddp and mb < MICROBATCHES - 1 else contextlib.nullcontext()
-                with sync:
-                    model(x).pow(2).sum().backward()
-        if ddp:
-            model.finish_grad_sync()
-        out.append(_grads(stage))
+            if ddp:
+                model.finish_grad_sync()
+            out.append(_grads(stage))
     if hook_calls is not None:
         facts["hooks_with_grad"] = dict(hook_calls)
     return out, facts
+
+
+def _compare(ddp, fused, **kw) -> dict:
+    ref, _ = _run(ddp, fused, split=False, **kw)
+    try:
+        got, facts = _run(ddp, fused, split=True, **kw)
+    except Exception as exc:  # a crash is a finding: report it, do not hide the others
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    err = max(float((g[n] - r[n]).abs().max() / max(float(r[n].abs().max()), 1e-30))
+              for g, r in zip(got, ref, strict=True) for n in r)
+    return dict(facts, max_err=err)
 
 
 def _names(stage, params) -> list[str]:
@@ -116,26 +144,72 @@ def _count_ddp_hooks(ddp, stage):
     return calls
 
 
+BASE_CASES = (("", False), ("ddp", True), ("ddp", False), ("overlap", True), ("overlap", False))
+VERSIONS = ("2.3", "2.15", "2.20")  # 2.3: 4-tuple pop, no hooks; 2.15: no forward gating; 2.16+: gated
+BIAS_CASES = (  # (ddp, fused, fp8): a bias in the GEMM (te1) and a returned one (te2)
+    ("", False, False), ("ddp", True, True), ("overlap", True, False), ("overlap", False, True))
+
+
 def te_split_suite() -> dict:
+    from helpers import te_standin
     from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
 
     results = {}
-    for ddp, fused in (("", False), ("ddp", True), ("ddp", False), ("overlap", True)):
-        ref, _ = _run(ddp, fused, split=False)
-        got, facts = _run(ddp, fused, split=True)
-        err = max(float((g[n] - r[n]).abs().max() / r[n].abs().max()) for g, r in zip(got, ref) for n in r)
-        results[f"{ddp or 'plain'}-{'fused' if fused else 'unfused'}"] = dict(facts, max_err=err)
+    for version in VERSIONS:
+        with te_standin.te_version(version):
+            for ddp, fused in BASE_CASES:
+                results[f"{version}:{ddp or 'plain'}-{'fused' if fused else 'unfused'}"] = _compare(ddp, fused)
+    for version in ("2.3", "2.20"):
+        with te_standin.te_version(version):
+            for ddp, fused, fp8 in BIAS_CASES:
+                name = f"{version}:bias:{ddp or 'plain'}-{'fused' if fused else 'unfused'}{'-fp8' if fp8 else ''}"
+                results[name] = _compare(ddp, fused, bias="both", fp8=fp8)
+    for version in ("2.15", LATEST):  # 2.15: no forward-time gating, so only the overwrite is tested
+        with te_standin.te_version(version):
+            # is_first_microbatch with fused accumulation: in order, and with the store full (B2, B3
+            # computed inline before W0, whose GEMM overwrites main_grad).
+            results[f"{version}:first"] = _compare("ddp", True, first=True)
+            results[f"{version}:first-store-full"] = _compare("ddp", True, first=True, max_pending=2)
+    with te_standin.te_version(LATEST):
+        # Grouped-GEMM experts (TE GroupedLinear inside megatron's TEGroupedMLP shape).
+        results["grouped-ddp"] = _compare("ddp", True, experts=2)
+        results["grouped-overlap"] = _compare("overlap", True, experts=2)
 
+    try:
+        results.update(_fifo_and_failed_b())
+    except Exception as exc:  # recorded: the assertions name it
+        results["fifo_error"] = f"{type(exc).__name__}: {exc}"
+
+    # Refusals: one line each, and the default policy's blocker list names them.
+    results["blockers_delayed"] = wgrad.deferral_blockers([_stage("", fused=False, delay=True)[1]])
+    results["blockers_ub"] = wgrad.deferral_blockers([_stage("", fused=True, ub=True)[1]])
+    results["blockers_grouped_unfused"] = wgrad.deferral_blockers([_stage("", fused=False, experts=2)[1]])
+    _, fused_impl = _stage("", fused=True, experts=2)
+    fused_impl.experts._with_fused_impl = True
+    results["blockers_op_fuser"] = wgrad.deferral_blockers([fused_impl])
+    results["blockers_grouped_fused"] = wgrad.deferral_blockers([_stage("ddp", fused=True, experts=2)[1]])
+    results["blockers_unfused_overlap"] = wgrad.deferral_blockers([_stage("overlap", fused=False)[1]])
+    return results
+
+
+LATEST = "2.20"
+
+
+def _fifo_and_failed_b() -> dict:
+    from megatron_rrfp.mcore import wgrad
+
+    results = {}
     # Out-of-order W: refused before any gradient changes, then the right order works.
     stage, model = _stage("", fused=False)
     wgrad.install([model])
     store = wgrad.WeightGradStore(models=[model])
-    for mb, x in enumerate(_inputs()[:2]):
+    losses = [model(x).pow(2).sum() for x in _inputs()[:2]]
+    for mb, loss in enumerate(losses):
         with store.deferring((mb, 0)):
-            model(x).pow(2).sum().backward()
+            loss.backward()
     before = {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}
     try:
         store.run((1, 0))
@@ -150,24 +224,51 @@ def te_split_suite() -> dict:
 
     # A B that raises leaves nothing queued.
     with_error = wgrad.WeightGradStore(models=[model])
+    loss = model(_inputs()[0]).pow(2).sum()
     try:
         with with_error.deferring((7, 0)):
-            model(_inputs()[0]).pow(2).sum().backward()
+            loss.backward()
             raise ValueError("boom")
     except ValueError:
         pass
     results["after_failed_b"] = [m.wgrad_store.context.qsize() for m in (stage.te1, stage.te2)]
 
-    # Refusals: one line each, and the default policy's blocker list names them.
-    _, built_delayed = _stage("", fused=False, delay=True)
-    _, unfused_overlap = _stage("overlap", fused=False)
-    results["blockers_delayed"] = wgrad.deferral_blockers([built_delayed])
-    results["blockers_unfused_overlap"] = wgrad.deferral_blockers([unfused_overlap])
     return results
 
 
+def ub_aliasing_breaks_the_split() -> float:
+    """What the Userbuffers refusal prevents: forced through, the split's W reads a UB buffer a
+    later layer overwrote (relative error of te1's weight gradient vs the unsplit one)."""
+    import torch
+
+    from helpers import te_standin
+    from megatron_rrfp.mcore import wgrad_te
+
+    results = []
+    for split in (False, True):
+        stage, _ = _stage("", fused=False, ub=True)  # te1 of microbatch 1 overwrites microbatch 0's UB input
+        stage.te_version = te_standin.te_version("2.15")  # no forward-time gating: TeSplit is driven directly
+        stage.te_version.__enter__()
+        te = wgrad_te.TeSplit([("te1", stage.te1), ("te2", stage.te2)], ddp_of=lambda p: None,
+                              hold=lambda key, t: None)
+        losses = [stage(x).pow(2).sum() for x in _inputs()[:2]]
+        for mb, loss in enumerate(losses):
+            if split:
+                te.begin((mb, 0))
+            loss.backward()
+            if split:
+                te.end((mb, 0), ok=True)
+        if split:
+            te.run((0, 0))
+            te.run((1, 0))
+        results.append(stage.te1.weight.grad.clone())
+        stage.te_version.__exit__(None, None, None)
+    return float((results[1] - results[0]).abs().max() / results[0].abs().max()) if torch.isfinite(
+        results[1]).all() else float("inf")
+
+
 def missing_attribute_blocker() -> list[str]:
-    from helpers.te_standin import StandInTELinear
+    from helpers.te_standin import Linear as StandInTELinear
     from megatron_rrfp.mcore import wgrad
 
     class OldStore:  # a store without the run-time switch (older TE)
@@ -179,26 +280,81 @@ def missing_attribute_blocker() -> list[str]:
     return wgrad.deferral_blockers([module])
 
 
-@pytest.mark.timeout(150)
-def test_te_standin_split_equals_unsplit_fifo_and_refusals():
-    out = launch(te_split_suite, world_size=1, timeout=140)[0]
-    for case in ("plain-unfused", "ddp-fused", "ddp-unfused", "overlap-fused"):
-        r = out[case]
-        assert r["max_err"] <= 1e-6, (case, r)
-        assert r["deferred"] == ["te1.weight", "te2.weight"], r
-        assert r["pending_after_w"] == [] and r["pending_bytes_after_b"] > 0
-    # In B the TE weights got nothing (unfused: None; fused: a dummy, nothing in main_grad yet).
-    assert not any(out["plain-unfused"]["after_b_weight_grads"].values())
+@pytest.fixture(scope="module")
+def suite() -> dict:
+    return launch(te_split_suite, world_size=1, timeout=170)[0]
+
+
+def _ok(out, case, deferred=("te1.weight", "te2.weight")):
+    r = out[case]
+    assert "error" not in r, (case, r)
+    assert r["max_err"] <= 1e-6, (case, r)
+    assert all(name in r["deferred"] for name in deferred), (case, r)
+    assert r["pending_after_w"] == [] and r["pending_bytes_after_b"] > 0, (case, r)
+    return r
+
+
+@pytest.mark.timeout(180)
+def test_te_split_equals_unsplit_on_every_te_version_with_f_outside_deferring(suite):
+    """Finding 3 (TE >= 2.16 Linear keeps its store only if the deferral is on at forward time)
+    and the overlap_grad_reduce + unfused case (was refused): split == unsplit, W deferred."""
+    for version in VERSIONS:
+        for ddp, fused in BASE_CASES:
+            r = _ok(suite, f"{version}:{ddp or 'plain'}-{'fused' if fused else 'unfused'}")
+            assert r["queued_after_b"] == [MICROBATCHES, MICROBATCHES], r  # W really deferred
+            assert not any(r["after_b_weight_grads"].values()), r
     # W handed DDP's hook each TE weight's gradient once per W (2 iterations x 4 microbatches) and
-    # nothing else (the counter wraps DDP's hook factory after DDP made its autograd hooks: W's calls
-    # only); fused accumulation writes main_grad directly, with no gradient to hand over.
-    hooks = out["ddp-unfused"]["hooks_with_grad"]
+    # nothing else; fused accumulation writes main_grad directly, with no gradient to hand over.
+    hooks = suite[f"{LATEST}:ddp-unfused"]["hooks_with_grad"]
     assert hooks == {"te1.weight": 2 * MICROBATCHES, "te2.weight": 2 * MICROBATCHES}, hooks
-    assert "te1.weight" not in out["ddp-fused"]["hooks_with_grad"]
+    assert "te1.weight" not in suite[f"{LATEST}:ddp-fused"]["hooks_with_grad"]
+
+
+def test_te_bias_in_gemm_returned_and_fp8_split(suite):
+    """Findings 1 (TE's backward_dw crashes on a bias whose gradient came in B: returned bias,
+    FP8) and 2 (overlap_grad_reduce with a bias TE folds into its deferred GEMM: DDP's hook
+    asserts in B), on TE 2.3 and the 2.20 line."""
+    for version in ("2.3", LATEST):
+        for ddp, fused, fp8 in BIAS_CASES:
+            name = f"{version}:bias:{ddp or 'plain'}-{'fused' if fused else 'unfused'}{'-fp8' if fp8 else ''}"
+            _ok(suite, name)
+
+
+def test_te_first_microbatch_overwrite_stays_exact(suite):
+    """Finding 5: with fused accumulation the first-forwarded microbatch's GEMM overwrites
+    main_grad; with the store full (B2, B3 inline before W0) that would drop their gradient."""
+    for version in ("2.15", LATEST):
+        _ok(suite, f"{version}:first")
+        r = _ok(suite, f"{version}:first-store-full")
+        assert r["queued_after_b"] == [2, 2], r
+
+
+def test_te_grouped_experts_split(suite):
+    """Finding 6: TE GroupedLinear experts (TEGroupedMLP) split; the op-fuser path and unfused
+    GroupedLinear are refused with one line each."""
+    experts = ("experts.linear_fc1.weight0", "experts.linear_fc1.weight1", "experts.linear_fc2.weight1")
+    for case in ("grouped-ddp", "grouped-overlap"):
+        r = _ok(suite, case, deferred=experts)
+        assert r["queued_after_b"] == [MICROBATCHES] * 4, r
+    assert suite["blockers_grouped_fused"] == [], suite["blockers_grouped_fused"]
+    assert any("use_transformer_engine_op_fuser" in b for b in suite["blockers_op_fuser"])
+    assert any("GroupedLinear without gradient_accumulation_fusion" in b for b in suite["blockers_grouped_unfused"])
+
+
+def test_te_refusals_fifo_and_failed_b(suite):
+    out = suite
+    assert "fifo_error" not in out, out["fifo_error"]
     assert "FIFO" in out["out_of_order"] and "(0, 0)" in out["out_of_order"] and out["untouched_after_refusal"]
     assert out["queues_empty"] == [0, 0] and out["after_failed_b"] == [0, 0]
     assert any("delay_wgrad_compute=True" in b for b in out["blockers_delayed"])
-    assert any("gradient_accumulation_fusion" in b for b in out["blockers_unfused_overlap"])
+    assert out["blockers_unfused_overlap"] == [], out["blockers_unfused_overlap"]
+    # Finding 4: Userbuffers overlap refused (ub_bulk_dgrad: TE's own check only covers the wgrad ones).
+    assert any("Userbuffers" in b and "ub_bulk_dgrad" in b for b in out["blockers_ub"]), out["blockers_ub"]
+
+
+def test_te_userbuffers_aliasing_is_what_the_refusal_prevents():
+    err = launch(ub_aliasing_breaks_the_split, world_size=1, timeout=60)[0]
+    assert err > 1e-3, err
 
 
 def test_te_module_missing_attribute_is_a_blocker():

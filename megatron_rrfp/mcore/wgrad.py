@@ -43,8 +43,10 @@ gives it. DDP's no_sync (``config.no_sync_func``) stays on over every B and W: i
 readiness counting would be wrong from B (too early) or from W (B-computed parameters never
 counted). With overlap_grad_reduce the executor counts readiness itself
 (``grad_sync.SplitReadiness``: each parameter once, after its last W or B of the iteration;
-``run(key, after_weight=...)`` reports weights as they complete), B hands the hook a zero
-gradient (its assertion wants one), and this module raises if B or W runs with sync on.
+``run(key, after_weight=...)`` reports weights as they complete), B hands the hook what
+megatron's own delayed-wgrad path does (an uninitialised ``torch.empty`` with
+``grad_added_to_main_grad`` set: its assertion wants a gradient, it adds none;
+``wgrad_store.register_b_placeholder``), and this module raises if B or W runs with sync on.
 ``gradient_accumulation_fusion`` (CUDA + APEX): W makes the fused-kernel call megatron's
 backward made in B (recorded, not run), into the same ``main_grad`` (untested: no CUDA here).
 
@@ -62,9 +64,10 @@ linear's ``ctx.tp_group`` with megatron-core's own ``dist_all_gather_func`` into
 agreement group dispatches the identical task sequence, W included (``runtime/agreement.py``:
 the agreed task universe holds every W of a split iteration, each dispatch enters the digest
 checked at every exchange), and W runs its works in B's fixed order; on NCCL it is issued on
-the compute stream like the TP collectives inside F and B (``runtime/rounds.py``). Known
-cost: megatron's backward in B still does its own all-gather for the GEMM that B then skips —
-one wasted TP all-gather per SP linear and microbatch, kept so that B stays megatron's code.
+the compute stream like the TP collectives inside F and B (``runtime/rounds.py``). B skips the
+all-gather megatron's backward issues for the GEMM it no longer runs (only that call, on the
+saved input, is answered without communicating; ``wgrad_capture``): one TP all-gather per SP
+linear and microbatch, not two.
 
 Not supported (explicit errors): GTP-sharded weights (0.19's
 ``gtp_remat_size > 1``: a reduce-scatter of the weight gradient), grouped-GEMM experts
@@ -89,7 +92,6 @@ from .wgrad_capture import megatron_backward_intercepted as _megatron_backward_i
 from .wgrad_store import (
     _DDP_OF,
     _NAMES,
-    Key,
     WeightGradStore,
     _check_sync_off,
     _ddp_of,
@@ -97,6 +99,7 @@ from .wgrad_store import (
     _trainable_weight,
     _unsupported_reason,
     _Work,
+    register_b_placeholder,
 )
 from .wgrad_te import is_te_module
 
@@ -167,12 +170,14 @@ def _deferred_backward(ctx, grad_output, active):
                                   "gradient needs a reduce-scatter, which W does not issue")
     if hasattr(weight, "__fsdp_param__"):
         raise NotImplementedError(f"wgrad: {name} is a Megatron-FSDP parameter; not supported")
-    placeholder = _placeholder_weight_grad(weight, key)  # may refuse: before any work
+    ddp = _ddp_of(weight)
+    if ddp is not None:
+        _check_sync_off(ddp, weight, f"B{key}")  # before any work
     # Under SP megatron's total_input is the TP all-gather of the input, a view of its global
     # buffer that the next linear's backward overwrites: W keeps the saved local input (what
-    # autograd kept anyway) and gathers it again itself (_gathered_input), not a TP x copy.
+    # autograd kept anyway) and gathers it itself (_gathered_input); B skips that gather.
     local_input = ctx.saved_tensors[0] if ctx.sequence_parallel else None
-    grads, capture = _megatron_backward_intercepted(ctx, grad_output)
+    grads, capture = _megatron_backward_intercepted(ctx, grad_output, skip_gather_of=local_input)
     if not capture.deferred:
         return grads  # megatron-core computed the weight gradient itself: exact, just not deferred
     total_input, grad_output, gather = capture.total_input, capture.grad_output, None
@@ -182,24 +187,9 @@ def _deferred_backward(ctx, grad_output, active):
         weight=weight, input=total_input, grad_output=grad_output,
         versions=(total_input._version, grad_output._version), main_grad=capture.main_grad, fused=capture.fused,
         autocast=(bool(getattr(ctx, "_fwd_used_autocast", False)), getattr(ctx, "_dtype", None)), gather=gather))
-    return (grads[0], placeholder) + tuple(grads[2:])
-
-
-def _placeholder_weight_grad(weight, key: Key):
-    """What B hands autograd for a deferred weight. None, except under DDP with
-    overlap_grad_reduce, whose hook asserts a gradient exists: a zero one then (adds 0 to
-    main_grad, exact); its readiness mark must then be inert (no_sync)."""
-    ddp = _ddp_of(weight)
-    if ddp is None or not ddp.ddp_config.overlap_grad_reduce:
-        return None
-    if ddp.param_to_bucket_group.get(weight) is None:  # not in DDP's buckets: its hook does nothing
-        return None
-    _check_sync_off(ddp, weight, f"B{key}")
-    return torch.zeros_like(weight)
-
-
-
-
+    # Fused: megatron's own element (its dummy, grad_added_to_main_grad set). Otherwise None;
+    # under overlapped DDP the weight's B placeholder (register_b_placeholder) satisfies its hook.
+    return (grads[0], grads[1] if capture.fused is not None else None) + tuple(grads[2:])
 
 
 # --------------------------------------------------------------------------- install
@@ -346,6 +336,8 @@ def install(models: list[torch.nn.Module]) -> None:
             # An instance attribute: ColumnParallelLinear/RowParallelLinear.forward call
             # self._forward_impl at run time; other instances are left alone.
             module._forward_impl = types.MethodType(_deferrable_forward_impl, module)
+        if _trainable_weight(module) is not None:
+            register_b_placeholder(module.weight)
     log.info("wgrad: the weight gradients of %d linears deferred to W (wgrad_coverage names them)", len(to_patch))
 
 

@@ -55,7 +55,7 @@ _MegatronLinearFunction = _layers.LinearWithGradAccumulationAndAsyncCommunicatio
 class Capture:
     """What one intercepted megatron-core backward handed to its weight-gradient GEMM."""
 
-    __slots__ = ("grad_output", "total_input", "gemm", "fused", "main_grad")
+    __slots__ = ("grad_output", "total_input", "gemm", "fused", "main_grad", "skipped_gather")
 
     def __init__(self) -> None:
         self.grad_output: Optional[torch.Tensor] = None  # prepared (contiguous, 2-D)
@@ -63,6 +63,7 @@ class Capture:
         self.gemm = False  # the non-fused GEMM was answered with a placeholder
         self.fused: Optional[tuple] = None  # (kernel module, method name) of the fused call
         self.main_grad: Optional[torch.Tensor] = None
+        self.skipped_gather = False  # SP: megatron's all-gather of the wgrad input was not issued
 
     def is_weight_gemm(self, left, right) -> bool:
         """``left @ right`` is exactly ``grad_output.t() @ total_input`` of this capture."""
@@ -135,20 +136,43 @@ class _FusedKernelRecorder:
         return getattr(self._kernel, name)
 
 
-PREPARE, _FUSED = "prepare_input_tensors_for_wgrad_compute", "fused_weight_gradient_mlp_cuda"
+class _NoWork:
+    """The handle of a skipped async all-gather."""
+
+    def wait(self) -> None:
+        return None
+
+
+PREPARE, _FUSED, _GATHER = ("prepare_input_tensors_for_wgrad_compute", "fused_weight_gradient_mlp_cuda",
+                            "dist_all_gather_func")
 _MISSING = object()
 _intercepting = threading.Lock()  # one intercepted backward at a time patches the module
 _thread = threading.local()  # the capture of the backward this thread is running
 
 
-def megatron_backward_intercepted(ctx, grad_output) -> tuple[tuple, Capture]:
+def megatron_backward_intercepted(ctx, grad_output, *, skip_gather_of=None) -> tuple[tuple, Capture]:
     """megatron-core's backward, its weight-gradient GEMM recorded instead of computed.
     Autograd may run the backward on its device thread: the module names are patched
-    under a lock and only the patching thread's calls are intercepted."""
+    under a lock and only the patching thread's calls are intercepted.
+
+    ``skip_gather_of`` (sequence parallelism: the saved local input): megatron's all-gather of
+    exactly that tensor — the input of the GEMM this backward no longer runs; W gathers it
+    itself — is not issued (its buffer keeps stale data only that GEMM would read)."""
     capture = Capture()
     with _intercepting:
         prepare = getattr(_layers, PREPARE)
         fused = _layers.__dict__.get(_FUSED, _MISSING)
+        gather = getattr(_layers, _GATHER)
+
+        def skipping_gather(output, input_, *args, **kwargs):
+            # The backward's one gather of its saved input (under saved_tensors_hooks a copy: matched by
+            # shape and dtype, the first call only).
+            if (getattr(_thread, "capture", None) is capture and not capture.skipped_gather
+                    and isinstance(input_, torch.Tensor) and input_.shape == skip_gather_of.shape
+                    and input_.dtype == skip_gather_of.dtype):
+                capture.skipped_gather = True
+                return _NoWork() if kwargs.get("async_op") else None
+            return gather(output, input_, *args, **kwargs)
 
         def capturing_prepare(grad_output, total_input):
             grad_output, total_input = prepare(grad_output, total_input)
@@ -161,13 +185,20 @@ def megatron_backward_intercepted(ctx, grad_output) -> tuple[tuple, Capture]:
         setattr(_layers, PREPARE, capturing_prepare)
         if ctx.gradient_accumulation_fusion:
             setattr(_layers, _FUSED, _FusedKernelRecorder(None if fused is _MISSING else fused, capture))
+        if skip_gather_of is not None:
+            setattr(_layers, _GATHER, skipping_gather)
         try:
             grads = _MegatronLinearFunction.backward(ctx, grad_output)
         finally:
             setattr(_layers, PREPARE, prepare)
+            setattr(_layers, _GATHER, gather)
             if fused is _MISSING:
                 _layers.__dict__.pop(_FUSED, None)
             else:
                 setattr(_layers, _FUSED, fused)
             _thread.capture = None
+    if capture.skipped_gather and not capture.deferred:
+        raise RuntimeError("wgrad: megatron-core's backward used its gathered input for something other than the "
+                           "weight-gradient GEMM the split defers (a release the interception no longer fits); "
+                           "its weight gradient would be wrong")
     return grads, capture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import weakref
 from collections.abc import Iterator
 from typing import Optional
 
@@ -57,6 +58,44 @@ class _Pending:
 
 
 _active: Optional[tuple[WeightGradStore, Key]] = None  # set by deferring()
+_FLAGGED: list = []  # parameters whose grad_added_to_main_grad a B placeholder set (restored after that B)
+_PREHOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> (AccumulateGrad node, hook handle)
+
+
+def register_b_placeholder(param: torch.nn.Parameter) -> None:
+    """Under megatron DDP with overlap_grad_reduce, DDP's hook on a parameter's AccumulateGrad
+    asserts ``param.grad is not None`` — but a deferred B gives a deferred weight (and a bias TE
+    folds into its deferred GEMM) no gradient. A pre-hook on that node, only inside a deferring
+    and only when no gradient arrived, hands the hook what megatron's own delayed-wgrad path hands
+    it: an uninitialised ``torch.empty`` with ``grad_added_to_main_grad`` set, so the hook adds
+    nothing and clears it (zeros where ``zero_out_wgrad`` asks for them). No pass over the weight;
+    a real gradient (e.g. a tied embedding's part) arrives untouched. Idempotent."""
+    if param in _PREHOOKED or not param.requires_grad:
+        return
+    with torch.enable_grad():
+        node = param.view_as(param).grad_fn.next_functions[0][0]  # the node DDP hooked (it keeps it alive)
+    ref = weakref.ref(param)
+
+    def prehook(grad_outputs):
+        param = ref()
+        if _active is None or param is None or grad_outputs[0] is not None or param.grad is not None:
+            return None
+        ddp = _ddp_of(param)
+        if ddp is None or not ddp.ddp_config.overlap_grad_reduce or ddp.param_to_bucket_group.get(param) is None:
+            return None
+        zero = getattr(param, "zero_out_wgrad", False)
+        if not zero and not getattr(param, "grad_added_to_main_grad", True):
+            param.grad_added_to_main_grad = True  # the hook skips its add; reset when this B ends
+            _FLAGGED.append(param)
+        param.grad = torch.zeros_like(param) if zero else torch.empty_like(param)
+        return None
+
+    _PREHOOKED[param] = (node, node.register_prehook(prehook))
+
+
+def _restore_flags() -> None:
+    while _FLAGGED:
+        _FLAGGED.pop().grad_added_to_main_grad = False
 
 
 class WeightGradStore:
@@ -80,6 +119,8 @@ class WeightGradStore:
         self.memory = memory
         # Transformer Engine modules of ``models`` (installed): their own store defers, driven from here.
         self._te = TeSplit(_te_modules(models or []), ddp_of=_ddp_of, hold=self._hold)
+        for param in self._te.weights():
+            register_b_placeholder(param)
         self._pending: dict[Key, _Pending] = {}  # in the order B ran
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
@@ -99,6 +140,7 @@ class WeightGradStore:
                                "one backward at a time")
         if self.max_pending is not None and len(self._pending) >= self.max_pending:
             self._inline.add(key)  # store full: this backward runs unsplit
+            self._te.inline()
             try:
                 yield
             except BaseException:
@@ -117,6 +159,7 @@ class WeightGradStore:
             raise
         finally:
             _active = None
+            _restore_flags()
             self._te.end(key, ok=ok)
 
     def run(self, key: Key, *, after_weight=None) -> None:
@@ -260,7 +303,9 @@ def _fused_accumulate(work: _Work, total_input: torch.Tensor) -> None:
     ddp = _ddp_of(weight)
     if ddp is not None and hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True  # as megatron-core's fused backward sets it
-        weight.grad = torch.zeros_like(weight.main_grad, dtype=weight.dtype)
+        # megatron's dummy: torch.empty (the hook does not read it), zeros only for zero_out_wgrad
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        weight.grad = make(weight.main_grad.shape, dtype=weight.dtype, device=weight.main_grad.device)
         ddp._make_backward_post_hook(weight)()
 
 
@@ -288,13 +333,16 @@ def _is_patchable(module) -> bool:
             and type(module)._forward_impl in (cls._forward_impl for cls in _LINEAR_CLASSES))
 
 
-_GROUPED_EXPERTS = ("GroupedMLP", "TEGroupedMLP")  # megatron-core's grouped-GEMM experts
-
-
 def _unsupported_reason(module) -> str:
-    if type(module).__name__ in _GROUPED_EXPERTS:
-        return ("grouped-GEMM experts compute their weight gradients inside one grouped GEMM backward, which "
-                "cannot be deferred; use moe_grouped_gemm=False (SequentialMLP: its linears are split)")
+    name = type(module).__name__
+    if name == "GroupedMLP":  # legacy grouped GEMM (no TE): one autograd function for every expert
+        return ("legacy grouped-GEMM experts (GroupedMLP) compute their weight gradients inside one grouped GEMM "
+                "backward, which cannot be deferred; use Transformer Engine's (--transformer-impl "
+                "transformer_engine: TEGroupedMLP, split) or moe_grouped_gemm=False (SequentialMLP, split)")
+    if name == "TEGroupedMLP" and getattr(module, "_with_fused_impl", False):
+        return ("TEGroupedMLP with use_transformer_engine_op_fuser: its fused TE ops keep their weight-gradient "
+                "stores outside the module tree rrfp drives; drop --use-transformer-engine-op-fuser (its "
+                "GroupedLinear experts then split)")
     if _is_patchable(module) and getattr(module, "gtp_remat_size", 1) > 1:
         return f"GTP-sharded weight (gtp_remat_size={module.gtp_remat_size}; W would need a reduce-scatter)"
     if not is_te_module(module):

@@ -37,12 +37,14 @@ missing weight gradient in B).
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import sys
 from collections.abc import Callable
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 MIN_TE = (2, 3)
 _STORE_ATTRS = ("delay_wgrad_compute", "enable_delay_wgrad_compute", "disable_delay_wgrad_compute", "put", "pop",
@@ -92,11 +94,14 @@ def te_split_reason(module, *, overlap_grad_reduce: bool = False) -> str:
     if store.delay_wgrad_compute():
         return ("built with delay_wgrad_compute=True (megatron's MoE-overlap path owns that and hooks DDP onto the "
                 "module); build without it: rrfp enables TE's deferral per B itself")
-    if getattr(module, "ub_bulk_wgrad", False):
-        return "ub_bulk_wgrad (Transformer Engine refuses it with delayed weight gradients)"
-    if overlap_grad_reduce and not getattr(module, "fuse_wgrad_accumulation", False):
-        return ("overlap_grad_reduce without gradient_accumulation_fusion: megatron DDP's hook asserts on the weight "
-                "gradient TE defers; enable gradient_accumulation_fusion")
+    ub = sorted(name for name, value in vars(module).items() if name.startswith("ub_") and value is True)
+    if ub:
+        return (f"Userbuffers TP overlap ({', '.join(ub)}; megatron --tp-comm-overlap): the tensors TE queues for W "
+                "are views of persistent Userbuffers buffers that later layers overwrite before W runs (TE's own "
+                "check covers only the wgrad ones); train without --tp-comm-overlap to split")
+    if hasattr(module, "num_gemms") and not getattr(module, "fuse_wgrad_accumulation", False):
+        return ("GroupedLinear without gradient_accumulation_fusion: TE's deferred backward hands autograd its "
+                "not yet computed weight-gradient buffers in B; enable gradient_accumulation_fusion")
     return ""
 
 
@@ -105,11 +110,42 @@ def te_delay_wgrad_reason(module) -> str:
     return te_split_reason(module)
 
 
+_FORWARD_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> its TeSplit's forward state
+
+
+class _ForwardState:
+    """Per module: whether rrfp switched its store on for the running forward, and how many
+    weight-gradient accumulations happened since its last is_first_microbatch forward."""
+
+    __slots__ = ("enabled_here", "since_first", "mark_output", "in_b", "first_in_b")
+
+    def __init__(self) -> None:
+        self.enabled_here = False
+        self.since_first = 0
+        self.mark_output = False  # this forward is the first microbatch's: hook its output
+        self.in_b = False  # a deferred B is running
+        self.first_in_b = False  # ... and it reached the first microbatch's output
+
+
+def _is_first_forward(module, kwargs) -> bool:
+    """This forward's is_first_microbatch: TE's keyword, or the attribute megatron-core's TE
+    wrappers pass on for it (None when they disable the parameter transpose cache)."""
+    if "is_first_microbatch" in kwargs:
+        return bool(kwargs["is_first_microbatch"])
+    return (getattr(module, "is_first_microbatch", None) is True
+            and not getattr(module, "disable_parameter_transpose_cache", False))
+
+
 class TeSplit:
     """The TE modules of one stage, deferred per key through their own stores.
 
     ``ddp_of(param)``: the megatron DDP owning ``param`` (None without DDP).
     ``hold(key, tensor)``: told of every tensor a queued entry keeps alive (memory meter).
+
+    Forward: from TE 2.16 ``Linear`` keeps its store only if the deferral is on *at forward
+    time*, and the executor runs F outside any ``deferring``; so every module's store is on for
+    the length of its forward (a forward pre-hook and an always-called forward hook; only if it
+    was off). B outside ``deferring`` still computes inline: TE's backward checks the store again.
     """
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], *, ddp_of: Callable, hold: Callable) -> None:
@@ -118,10 +154,15 @@ class TeSplit:
         self._queued: dict[int, collections.deque] = {id(m): collections.deque() for _, m in modules}
         self._by_key: dict[Key, list[tuple[str, torch.nn.Module, int]]] = {}
         self._sizes: dict[int, int] = {}
+        self._overwrites: set = set()  # (key, id(module)): that W's GEMM overwrites main_grad (first microbatch)
         for _, module in modules:
             store = module.wgrad_store
             if store.context is None:  # built without delay_wgrad_compute: TE creates the queue only then
                 store.context = queue.Queue()
+            if module not in _FORWARD_HOOKED:
+                _FORWARD_HOOKED[module] = _ForwardState()
+                module.register_forward_pre_hook(_forward_pre_hook, with_kwargs=True)
+                module.register_forward_hook(_forward_hook, always_call=True)
 
     def __bool__(self) -> bool:
         return bool(self._modules)
@@ -134,20 +175,29 @@ class TeSplit:
         for _, module in self._modules:
             self._sizes[id(module)] = module.wgrad_store.context.qsize()
             module.wgrad_store.enable_delay_wgrad_compute()
+            _FORWARD_HOOKED[module].in_b = True
+
+    def inline(self) -> None:
+        """A B runs unsplit (the store is full): its GEMMs accumulate into main_grad now."""
+        for _, module in self._modules:
+            _FORWARD_HOOKED[module].since_first += 1
 
     def end(self, key: Key, *, ok: bool) -> None:
         """B of ``key`` ended: note which modules queued work (drop it when B failed)."""
         touched = []
         for name, module in self._modules:
-            store = module.wgrad_store
+            store, state = module.wgrad_store, _FORWARD_HOOKED[module]
             store.disable_delay_wgrad_compute()
             added = store.context.qsize() - self._sizes.pop(id(module), store.context.qsize())
+            first, state.first_in_b, state.in_b = state.first_in_b, False, False
             if added <= 0:
                 continue
             if not ok:
                 for _ in range(added):
                     store.context.queue.pop()  # the newest entries are this failed B's
                 continue
+            if first and getattr(module, "fuse_wgrad_accumulation", False):
+                self._overwrites.add((key, id(module)))
             touched.append((name, module, added))
             self._queued[id(module)].append(key)
             for tensor_list, _ in list(store.context.queue)[-added:]:
@@ -171,29 +221,47 @@ class TeSplit:
         self.check(key)
         for name, module, added in self._by_key.pop(key, ()):
             self._queued[id(module)].popleft()
-            self._run_module(name, module, added)
+            overwrites = (key, id(module)) in self._overwrites
+            self._overwrites.discard((key, id(module)))
+            self._run_module(name, module, added, overwrites)
             if after_weight is not None:
                 for param in module.parameters(recurse=False):
                     after_weight(param)
 
-    def _run_module(self, name: str, module, added: int) -> None:
+    def _run_module(self, name: str, module, added: int, overwrites: bool) -> None:
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         earlier = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
+        state = _FORWARD_HOOKED[module]
+        # is_first_microbatch + fused accumulation: TE's GEMM of the first-forwarded microbatch
+        # overwrites main_grad. Right only if nothing reached main_grad since that forward (an
+        # unsplit B or another W did): then keep what is there and add it back.
+        kept = None
+        if overwrites and state.since_first:
+            kept = [(p.main_grad, p.main_grad.clone()) for p in params if getattr(p, "main_grad", None) is not None]
+        state.since_first += 1
         backward_dw, store = _te_backward_dw(module), module.wgrad_store
         target = store.context.qsize() - added
+        pop = _BiasKeepingPop(store, module)
+        store.pop = pop
         store.enable_delay_wgrad_compute()  # TE's pop and backward_dw run only while enabled
         try:
             while store.context.qsize() > target:
                 before = store.context.qsize()
+                pop.calls = 0
                 backward_dw(module)
                 if store.context.qsize() >= before:
                     raise RuntimeError(f"wgrad: backward_dw of Transformer Engine module {name} popped nothing")
         finally:
             store.disable_delay_wgrad_compute()
+            del store.pop
+            for bias in pop.sentinels:
+                bias.grad = None
         if store.context.qsize() != target:
             raise RuntimeError(f"wgrad: backward_dw of {name} popped more than this W's {added} entries")
+        for main_grad, copy in kept or ():
+            main_grad.add_(copy)
         for p in params:
             new, old = p.grad, earlier[id(p)]
             if old is not None:
@@ -201,6 +269,69 @@ class TeSplit:
             ddp = self._ddp_of(p)
             if ddp is not None and p.grad is not None and not getattr(p, "skip_backward_post_hook", False):
                 ddp._make_backward_post_hook(p)()  # moves grad into main_grad, as in an unsplit backward
+
+
+def _forward_pre_hook(module, args, kwargs):
+    state = _FORWARD_HOOKED[module]
+    store = module.wgrad_store
+    state.enabled_here = not store.delay_wgrad_compute()
+    if state.enabled_here:
+        store.enable_delay_wgrad_compute()
+    if _is_first_forward(module, kwargs) and getattr(module, "fuse_wgrad_accumulation", False):
+        state.since_first, state.mark_output = 0, True
+    return None
+
+
+def _forward_hook(module, args, output):
+    state = _FORWARD_HOOKED[module]
+    if state.enabled_here:
+        module.wgrad_store.disable_delay_wgrad_compute()
+        state.enabled_here = False
+    if state.mark_output:
+        state.mark_output = False
+        out = next((t for t in _tensors(output) if t.requires_grad), None)
+        if out is not None:  # its gradient arrives in that microbatch's B, before the module's backward
+            out.register_hook(functools.partial(_note_first, state))
+    return None
+
+
+def _note_first(state: _ForwardState, grad):
+    if state.in_b:
+        state.first_in_b = True
+    return None
+
+
+def _bias_of_pop(module, index: int):
+    """The bias parameter whose gradient TE's backward_dw sets from its ``index``-th pop, or None."""
+    if not getattr(module, "use_bias", False):
+        return None
+    if hasattr(module, "fc1_bias") and hasattr(module, "fc2_bias"):  # LayerNormMLP: fc2's entry, then fc1's
+        return (module.fc2_bias, module.fc1_bias)[index] if index < 2 else None
+    names = getattr(module, "bias_names", None) or []
+    return getattr(module, names[0], None) if len(names) == 1 and index == 0 else None
+
+
+class _BiasKeepingPop:
+    """TE's pop, for its backward_dw. Works around TE's own bug (every TE from 2.3 through main):
+    backward_dw sets ``bias.grad = bgrad.to(...)`` whenever ``bias.grad is None``, but ``bgrad`` is
+    None where the bias gradient was computed in B (a returned / row-parallel bias, FP8). Such a
+    bias gets a stand-in ``bias.grad`` (bias-sized) for backward_dw to leave alone, cleared after."""
+
+    def __init__(self, store, module) -> None:
+        self._pop, self._module = type(store).pop.__get__(store), module
+        self.calls = 0  # pops within one backward_dw (LayerNormMLP pops fc2's entry, then fc1's)
+        self.sentinels: list = []
+
+    def __call__(self):
+        result = self._pop()
+        bias = _bias_of_pop(self._module, self.calls)
+        self.calls += 1
+        grads = result[0]
+        if (bias is not None and isinstance(grads, (tuple, list)) and len(grads) > 1 and grads[1] is None
+                and bias.grad is None):
+            bias.grad = torch.empty_like(bias)
+            self.sentinels.append(bias)
+        return result
 
 
 def _tensors(value):
