@@ -37,7 +37,7 @@ def _selfcheck(tmp_path, nproc: int, steps: str, timeout: float = 900) -> dict:
 def _passed(results: dict, step: str) -> None:
     for (rank, name), r in results.items():
         if name == step:
-            assert r["status"] in ("PASS", "SKIP") if step == "te-bfw" else r["status"] == "PASS", (rank, r)
+            assert r["status"] in ("PASS", "SKIP") if step.startswith("te-") else r["status"] == "PASS", (rank, r)
 
 
 @pytest.mark.cuda
@@ -64,7 +64,10 @@ def test_one_gpu_loopback_memory_and_single_context(tmp_path):
 @pytest.mark.timeout(600)
 def test_bfw_under_transformer_engine_delay_wgrad_is_refused_clearly(tmp_path):
     pytest.importorskip("transformer_engine.pytorch")
-    _passed(_selfcheck(tmp_path, 1, "te-bfw", timeout=500), "te-bfw")
+    steps = "te-bfw,te-bias,te-first-microbatch,te-fp8,te-grouped"
+    results = _selfcheck(tmp_path, 1, steps, timeout=500)
+    for step in steps.split(","):
+        _passed(results, step)
 
 
 # -- on any machine: the self-check itself ------------------------------------------------

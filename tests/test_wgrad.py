@@ -139,6 +139,7 @@ def _split(kind, ddp, pre_process):
     store = wgrad.WeightGradStore()
     no_sync = model.no_sync if ddp else contextlib.nullcontext
     grads, bytes_after_b, deferred_untouched = [], [], True
+    adds_in_b = _watch_ddp_adds_in_b(stage, deferred) if ddp == "overlap" else None
     for _ in range(_iterations(ddp)):
         if ddp:
             model.zero_grad_buffer()
@@ -168,8 +169,32 @@ def _split(kind, ddp, pre_process):
         "input_grads": [None if hiddens[mb] is None else hiddens[mb].grad.clone() for mb in range(MICROBATCHES)],
         "bytes_after_b": bytes_after_b, "bytes_after_w": store.pending_bytes(), "pending_after_w": store.pending(),
         "peak": store.peak_pending_bytes, "deferred": report.deferred, "in_backward": report.in_backward,
-        "deferred_untouched": deferred_untouched,
+        "deferred_untouched": deferred_untouched, "ddp_adds_in_b": None if adds_in_b is None else sum(adds_in_b),
     }
+
+
+def _watch_ddp_adds_in_b(stage, deferred) -> list:
+    """Under overlapped DDP: how often DDP's hook, in a deferred B, would add something into a
+    deferred weight's main_grad (a gradient there and grad_added_to_main_grad off) — the
+    placeholder pass issue 30 removes. A pre-hook on the weight's AccumulateGrad registered
+    after the split's own runs after it, just before DDP's hook."""
+    import torch
+
+    from megatron_rrfp.mcore import wgrad_store
+
+    adds = []
+    for name, param in stage.named_parameters():
+        if name not in deferred:
+            continue
+        with torch.enable_grad():
+            node = param.view_as(param).grad_fn.next_functions[0][0]
+
+        def prehook(grad_outputs, param=param):
+            if wgrad_store._active is not None:
+                has = grad_outputs[0] is not None or param.grad is not None
+                adds.append(int(has and not param.grad_added_to_main_grad))
+        node.register_prehook(prehook)
+    return adds
 
 
 def compare_split(cases: list[tuple[str, str, bool]]) -> list[dict]:
@@ -301,9 +326,17 @@ def sequence_parallel_w_regathers() -> dict:
     weight gradient."""
     import torch
     from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel import layers as mlayers
 
     from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.train import models
+
+    gathers = {"n": 0}
+    real_gather = mlayers.dist_all_gather_func
+
+    def counting_gather(*args, **kwargs):  # wraps megatron's gather from outside: what B and W issue
+        gathers["n"] += 1
+        return real_gather(*args, **kwargs)
 
     config = models.tiny_gpt_config(sequence_parallel=True)
     hidden, tp = config.hidden_size, torch.distributed.get_world_size()
@@ -320,16 +353,25 @@ def sequence_parallel_w_regathers() -> dict:
         inputs = x.clone().requires_grad_()
         out, _ = linear(inputs)
         g = torch.ones_like(out)
-        with store.deferring((0, 0)) if split else contextlib.nullcontext():
-            out.backward(g)
+        gathers["n"] = 0
+        mlayers.dist_all_gather_func = counting_gather
+        try:
+            with store.deferring((0, 0)) if split else contextlib.nullcontext():
+                out.backward(g)
+            gathers_in_b = gathers["n"]
+            if split:
+                held = store.pending_bytes()
+                deferred_before_w = linear.weight.grad is None
+                store.run((0, 0))
+        finally:
+            mlayers.dist_all_gather_func = real_gather
         if split:
-            held = store.pending_bytes()
-            deferred_before_w = linear.weight.grad is None
-            store.run((0, 0))
+            gathers_split = (gathers_in_b, gathers["n"] - gathers_in_b)
         grads.append(linear.weight.grad.clone())
     local = x.numel() * x.element_size()
     return {"held": held, "expected": local + g.numel() * g.element_size(), "gathered": tp * local,
-            "deferred": deferred_before_w, "max_err": float((grads[0] - grads[1]).abs().max())}
+            "deferred": deferred_before_w, "max_err": float((grads[0] - grads[1]).abs().max()),
+            "gathers_b_w": gathers_split}
 
 
 def _break_split_contract() -> None:
@@ -416,6 +458,7 @@ def _check(results: list[dict]) -> None:
         assert r["bytes_after_b"] == sorted(r["bytes_after_b"]) and r["peak"] == r["bytes_after_b"][-1]
         assert r["bytes_after_w"] == 0 and r["pending_after_w"] == []
         assert r["same_input_grads"], r["case"]  # B's input gradients are bitwise the unsplit ones
+        assert r["ddp_adds_in_b"] in (None, 0), r  # issue 30: no placeholder pass into main_grad in B
 
 
 @pytest.mark.timeout(150)
@@ -453,6 +496,7 @@ def test_tp2_split_equals_unsplit_and_sequence_parallel_is_no_blocker():
         assert not any("sequence" in b for b in out["sequence_parallel"]), out["sequence_parallel"]
         sp = out["sp_regather"]  # B kept the local input + output gradient only; W re-gathered
         assert sp["deferred"] and sp["held"] == sp["expected"] and sp["max_err"] <= TOL, sp
+        assert sp["gathers_b_w"] == (0, 1), sp  # issue 30: B issues no all-gather nobody uses; W one
 
 
 def test_default_policy_splits_the_backward_only_where_every_stage_can():

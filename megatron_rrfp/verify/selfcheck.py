@@ -26,8 +26,11 @@ two or more GPUs (all ranks together, NCCL)
   equivalence-pp4-chunks2-dp2
                        PP=4 x 2 chunks x DP=2 (8 GPUs): interleaving and data-parallel
                        reductions against Megatron's interleaved 1F1B
-  te-bfw               Transformer Engine's own split driven by rrfp's W (split vs unsplit
-                       main_grad, W order, DDP hook once per W); one GPU is enough
+  te-bfw, te-bias, te-first-microbatch, te-fp8, te-grouped
+                       Transformer Engine's own split driven by rrfp's W, forward outside
+                       deferring as the executor runs it: deferral observed, bias variants,
+                       is_first_microbatch, FP8 (if the GPU has it), GroupedLinear experts
+                       (``verify/selfcheck_te.py``); one GPU is enough
 
 Coverage limits, said here so a PASS is not read as more: the loopback step's rounds are
 CUDA copies (its first side does not block its queue as an NCCL kernel does, and its
@@ -48,10 +51,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
+from .selfcheck_te import TE_STEPS
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
 STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
-                   "te-bfw")
+                   "te-bfw", "te-bias", "te-first-microbatch", "te-fp8", "te-grouped")
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
                "equivalence-pp4-chunks2-dp2": 8}
@@ -289,101 +293,6 @@ def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
     return Result("equivalence-pp4-chunks2-dp2", *compare_with_megatron_on_gpu(ctx, pp=4, chunks=2))
 
 
-def step_te_bfw(ctx) -> Result:
-    """The real Transformer Engine path of the B/W split (mcore/wgrad_te.py; CPU tests use a
-    stand-in): TE Linear layers built *without* delay_wgrad_compute, inside megatron-core
-    DDP (fused accumulation into main_grad, as Megatron-LM builds them); B of 3 microbatches
-    deferred, W in B order; main_grad equal to the unsplit backward's; an out-of-order W
-    refused; DDP's hook reached once per weight and W (non-fused copy)."""
-    try:
-        import transformer_engine.pytorch as te
-    except ImportError:
-        return Result("te-bfw", "SKIP", "Transformer Engine is not installed")
-    import torch
-
-    from ..mcore import wgrad
-    from ..mcore.wgrad_te import te_split_reason
-
-    probe = te.Linear(64, 64, bias=False)
-    reason = te_split_reason(probe)
-    if reason:
-        return Result("te-bfw", "SKIP", f"this Transformer Engine cannot be split by rrfp: {reason}")
-    _ensure_model_parallel()
-    xs = [torch.randn(32, 4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(3)]
-
-    def build(fused: bool):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer import TransformerConfig
-        from megatron.core.transformer.module import MegatronModule
-
-        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
-
-        class Stage(MegatronModule):
-            def __init__(self):
-                super().__init__(config=config)
-                torch.manual_seed(3)
-                self.a = te.Linear(64, 128, bias=False, fuse_wgrad_accumulation=fused)
-                self.b = te.Linear(128, 64, bias=False, fuse_wgrad_accumulation=fused)
-
-            def forward(self, x):
-                return self.b(torch.nn.functional.gelu(self.a(x)))
-
-        stage = Stage().cuda()
-        return stage, DistributedDataParallel(config, DistributedDataParallelConfig(), stage)
-
-    problems, hooks = [], {}
-    for fused in (True, False):
-        grads = []
-        for split in (False, True):
-            stage, ddp = build(fused)
-            ddp.zero_grad_buffer()
-            store = None
-            if split:
-                wgrad.install([ddp])
-                store = wgrad.WeightGradStore(models=[ddp])
-                calls = {"a": 0, "b": 0}
-                make = ddp._make_backward_post_hook
-
-                def counting(param, make=make, calls=calls, stage=stage):
-                    hook = make(param)
-
-                    def run(*args):
-                        if param.grad is not None:
-                            calls["a" if param is stage.a.weight else "b"] += 1
-                        return hook(*args)
-                    return run
-                ddp._make_backward_post_hook = counting
-            with ddp.no_sync():
-                for mb, x in enumerate(xs):
-                    if split:
-                        with store.deferring((mb, 0)):
-                            ddp(x).float().pow(2).sum().backward()
-                    else:
-                        ddp(x).float().pow(2).sum().backward()
-                if split:
-                    try:
-                        store.run((1, 0))
-                        problems.append("an out-of-order W was not refused")
-                    except RuntimeError as exc:
-                        if "FIFO" not in str(exc):
-                            problems.append(f"out-of-order W: unexpected error {exc}")
-                    for mb in range(len(xs)):
-                        store.run((mb, 0))
-                    hooks[fused] = dict(calls)
-            ddp.finish_grad_sync()
-            torch.cuda.synchronize()
-            grads.append([p.main_grad.clone() for p in (stage.a.weight, stage.b.weight)])
-        err = max(float((s - r).abs().max() / r.abs().max()) for s, r in zip(grads[1], grads[0]))
-        if err > 1e-5:
-            problems.append(f"fused={fused}: split main_grad differs from unsplit (max rel err {err:.2e})")
-    if hooks.get(False) != {"a": len(xs), "b": len(xs)}:
-        problems.append(f"non-fused: DDP's hook reached {hooks.get(False)} times from W, expected {len(xs)} each")
-    if problems:
-        return Result("te-bfw", "FAIL", "; ".join(problems))
-    return Result("te-bfw", "PASS", "TE Linear split by rrfp (deferral enabled per B, backward_dw in W): main_grad "
-                                    "equal to unsplit (fused and not), W order enforced, DDP hook once per W")
-
-
 def _ensure_model_parallel() -> None:
     """megatron-core DDP needs parallel_state: a 1-rank group when the self-check runs alone."""
     import torch.distributed as dist
@@ -399,7 +308,7 @@ STEP_FUNCTIONS: dict[str, Callable] = {
     "environment": step_environment, "queue-serialization": step_queue_serialization, "loopback": step_loopback,
     "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
     "megatron-equivalence": step_megatron_equivalence, "equivalence-tp2-pp2": step_equivalence_tp2_pp2,
-    "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, "te-bfw": step_te_bfw,
+    "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, **TE_STEPS,
 }
 
 
