@@ -23,16 +23,22 @@ B (``deferring``), notes which modules queued work under that key, and in W call
   earlier gradient back, as autograd's AccumulateGrad would have.
 * DDP: megatron DDP registered its per-parameter hook on the AccumulateGrad node (the
   modules were built without delay_wgrad_compute, so no ``skip_backward_post_hook``). In B
-  it fires with no gradient (a no-op add); W calls it after backward_dw so main_grad gets
+  it fires with no gradient (under overlap_grad_reduce with megatron's placeholder,
+  ``wgrad_store.register_b_placeholder``); W calls it after backward_dw so main_grad gets
   the gradient. Fused accumulation wrote main_grad directly: nothing more to add.
   Readiness for overlapped reductions is counted by ``grad_sync.SplitReadiness``.
+* Forward: TE >= 2.16 ``Linear`` keeps its store only if the deferral is on at forward time;
+  ``TeSplit`` switches it on around every forward (F runs outside ``deferring``).
+* TE's own bias bug (2.3 ... main): ``backward_dw`` calls ``bgrad.to`` on a None bgrad when the
+  bias gradient came in B (returned / row-parallel bias, FP8); ``_BiasKeepingPop`` works around it.
+* is_first_microbatch + fused accumulation: the first-forwarded microbatch's GEMM overwrites
+  main_grad; if anything reached main_grad since that forward, W keeps it and adds it back.
 
 Refused (``te_split_reason``; the default policy then runs unsplit with one line): TE
 older than 2.3 or a store / module missing the attributes above; modules built with
 ``delay_wgrad_compute=True`` (megatron's MoE-overlap path owns them and registered DDP's
-hook on the module); ``ub_bulk_wgrad`` (TE refuses it with the deferral); a TE layer
-without fused accumulation under ``overlap_grad_reduce`` (megatron DDP's hook asserts on the
-missing weight gradient in B).
+hook on the module); any Userbuffers flag (the queued tensors alias persistent UB buffers);
+GroupedLinear without fused accumulation (B hands autograd its uncomputed wgrad buffers).
 """
 from __future__ import annotations
 
@@ -77,7 +83,8 @@ def _te_backward_dw(module) -> Optional[Callable]:
 
 def te_split_reason(module, *, overlap_grad_reduce: bool = False) -> str:
     """Why ``module``'s weight gradients cannot go through TE's own deferral (empty when
-    they can, or when ``module`` is not a TE module)."""
+    they can, or when ``module`` is not a TE module). ``overlap_grad_reduce`` no longer
+    refuses anything (B placeholders); accepted for callers."""
     store = getattr(module, "wgrad_store", None)
     if store is None:
         return ""
