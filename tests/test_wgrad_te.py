@@ -10,6 +10,8 @@ checked on a GPU by ``scripts/gpu_selfcheck.py --steps te-bfw``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from megatron_rrfp.dist.launcher import launch
@@ -360,3 +362,47 @@ def test_te_userbuffers_aliasing_is_what_the_refusal_prevents():
 def test_te_module_missing_attribute_is_a_blocker():
     blockers = missing_attribute_blocker()
     assert len(blockers) == 1 and "lacks" in blockers[0] and "enable_delay_wgrad_compute" in blockers[0]
+
+
+def te_sequence_parallel_suite() -> dict:
+    """Finding 7: a column-parallel SP TE layer queues the TP-gathered input for W; the split
+    keeps this rank's shard and W gathers it again, so W holds what autograd saved anyway
+    (the local input) plus the output gradient, and the gradients equal the unsplit ones."""
+    import torch
+    from megatron.core import parallel_state
+
+    from helpers import te_standin
+    from megatron_rrfp.mcore import wgrad
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = torch.distributed.get_world_size(group)
+    gen = torch.Generator().manual_seed(3 + torch.distributed.get_rank())
+    xs = [torch.randn(SEQ // tp, MBS, HIDDEN, generator=gen) for _ in range(MICROBATCHES)]
+    grads, held = [], 0
+    for split in (False, True):
+        torch.manual_seed(1)
+        layer = te_standin.Linear(HIDDEN, FFN, parallel_mode="column", sequence_parallel=True, tp_group=group)
+        store = wgrad.WeightGradStore(models=[layer]) if split else None
+        if split:
+            wgrad.install([layer])
+        losses = [layer(x).pow(2).sum() for x in xs]
+        for mb, loss in enumerate(losses):
+            with store.deferring((mb, 0)) if split else contextlib.nullcontext():
+                loss.backward()
+        if split:
+            held = store.pending_bytes()
+            queued = layer.wgrad_store.context.qsize()
+            for mb in range(MICROBATCHES):
+                store.run((mb, 0))
+        grads.append(layer.weight.grad.clone())
+    local = xs[0].numel() * xs[0].element_size()
+    dy = SEQ * MBS * (FFN // 1) * xs[0].element_size()
+    return {"held": held, "expected": MICROBATCHES * (local + dy), "gathered": MICROBATCHES * (tp * local + dy),
+            "queued": queued, "max_err": float((grads[1] - grads[0]).abs().max() / grads[0].abs().max())}
+
+
+@pytest.mark.timeout(120)
+def test_te_sequence_parallel_w_holds_the_local_input_only():
+    for out in launch(te_sequence_parallel_suite, world_size=2, tp=2, pp=1, timeout=110):
+        assert out["queued"] == MICROBATCHES and out["max_err"] <= 1e-6, out
+        assert out["held"] == out["expected"] < out["gathered"], out

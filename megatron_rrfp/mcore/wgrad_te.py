@@ -162,6 +162,7 @@ class TeSplit:
         self._by_key: dict[Key, list[tuple[str, torch.nn.Module, int]]] = {}
         self._sizes: dict[int, int] = {}
         self._overwrites: set = set()  # (key, id(module)): that W's GEMM overwrites main_grad (first microbatch)
+        self._regather: dict = {}  # id(queued tensor list) -> TP group: its input is this rank's shard (SP)
         for _, module in modules:
             store = module.wgrad_store
             if store.context is None:  # built without delay_wgrad_compute: TE creates the queue only then
@@ -205,6 +206,9 @@ class TeSplit:
                 continue
             if first and getattr(module, "fuse_wgrad_accumulation", False):
                 self._overwrites.add((key, id(module)))
+            group = _sp_group(module)
+            for tensor_list, _ in list(store.context.queue)[-added:] if group is not None else ():
+                self._keep_local_shard(tensor_list, group)
             touched.append((name, module, added))
             self._queued[id(module)].append(key)
             for tensor_list, _ in list(store.context.queue)[-added:]:
@@ -212,6 +216,31 @@ class TeSplit:
                     self._hold(key, tensor)
         if touched:
             self._by_key[key] = touched
+
+    def _keep_local_shard(self, tensor_list, group) -> None:
+        """SP column layer: TE queued the TP-gathered input (TP x this rank's); keep this rank's
+        rows only, W gathers them again right before TE's GEMM (as for megatron-core's linears)."""
+        import torch.distributed as dist
+
+        total = tensor_list[0] if isinstance(tensor_list, list) and tensor_list else None
+        size = dist.get_world_size(group)
+        if type(total) is not torch.Tensor or total.shape[0] % size:  # FP8 / quantized inputs: kept as queued
+            return
+        rows = total.shape[0] // size
+        tensor_list[0] = total.narrow(0, dist.get_rank(group) * rows, rows).clone()
+        self._regather[id(tensor_list)] = group
+
+    def _regather_inputs(self, store, added: int) -> None:
+        import torch.distributed as dist
+
+        for tensor_list, _ in list(store.context.queue)[:added]:
+            group = self._regather.pop(id(tensor_list), None)
+            if group is not None:
+                local = tensor_list[0]
+                full = torch.empty((local.shape[0] * dist.get_world_size(group),) + tuple(local.shape[1:]),
+                                   dtype=local.dtype, device=local.device)
+                dist.all_gather_into_tensor(full, local, group=group)
+                tensor_list[0] = full
 
     def check(self, key: Key) -> None:
         """Refuse a W that is not the oldest queued entry of every module it touches."""
@@ -249,6 +278,7 @@ class TeSplit:
             kept = [(p.main_grad, p.main_grad.clone()) for p in params if getattr(p, "main_grad", None) is not None]
         state.since_first += 1
         backward_dw, store = _te_backward_dw(module), module.wgrad_store
+        self._regather_inputs(store, added)
         target = store.context.qsize() - added
         pop = _BiasKeepingPop(store, module)
         store.pop = pop
@@ -276,6 +306,15 @@ class TeSplit:
             ddp = self._ddp_of(p)
             if ddp is not None and p.grad is not None and not getattr(p, "skip_backward_post_hook", False):
                 ddp._make_backward_post_hook(p)()  # moves grad into main_grad, as in an unsplit backward
+
+
+def _sp_group(module):
+    """The TP group of a column-parallel sequence-parallel TE layer (its queued input is the
+    TP-gathered one), else None."""
+    if (getattr(module, "sequence_parallel", False) and getattr(module, "parallel_mode", None) == "column"
+            and getattr(module, "tp_size", 1) > 1):
+        return getattr(module, "tp_group", None)
+    return None
 
 
 def _forward_pre_hook(module, args, kwargs):

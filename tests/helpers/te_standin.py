@@ -28,6 +28,10 @@ written here, not copied) in what the B/W split depends on, tagged by version
   ``grad_added_to_main_grad``.
 * Userbuffers: with ``ub_bulk_dgrad`` / ``ub_overlap_ag`` the input TE hands the wgrad GEMM
   is a view of one persistent buffer shared by every layer of that shape.
+* Sequence parallelism (column-parallel ``Linear``, ``sequence_parallel`` with a TP group of
+  size > 1): the forward all-gathers the input along dim 0 and saves the local shard; the
+  backward gathers it again (``backward_input_needs_gather``) and queues that TP-gathered
+  ``inputmat_total`` for W; the input gradient is reduce-scattered.
 * ``GroupedLinear``: ``num_gemms`` weights ``weight{i}``; deferred entry
   ``[inputmats, grad_outputs, wgrad_list]``; not fused, ``wgrad_list`` is a fresh
   ``torch.empty`` buffer that B already returns to autograd (uncomputed) and ``backward_dw``
@@ -142,13 +146,32 @@ def _custom_ddp_wgrad(weight, main_grad, wgrad, fused: bool):
     return None if fused else wgrad
 
 
+def _gather_first_dim(tensor, group):
+    import torch.distributed as dist
+
+    out = torch.empty((tensor.shape[0] * dist.get_world_size(group),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first_dim(tensor, group):
+    import torch.distributed as dist
+
+    total = tensor.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = total.shape[0] // size
+    return total.narrow(0, rank * rows, rows).clone()
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, module, wgrad_store, is_first_microbatch, fp8):
-        ctx.save_for_backward(inp)
+        ctx.save_for_backward(inp)  # under SP the local shard
         ctx.module, ctx.wgrad_store, ctx.is_first_microbatch, ctx.fp8 = module, wgrad_store, is_first_microbatch, fp8
         ctx.use_bias = bias is not None
-        out = inp.matmul(weight.t())
+        total = _gather_first_dim(inp, module.tp_group) if module.sequence_parallel else inp
+        out = total.matmul(weight.t())
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -157,7 +180,11 @@ class _LinearFunction(torch.autograd.Function):
         module = ctx.module
         weight = module.weight  # the Parameter (main_grad lives on it)
         fused = module.fuse_wgrad_accumulation
-        dgrad = grad_output.matmul(weight)
+        if module.sequence_parallel:  # TE: backward_input_needs_gather; dgrad reduce-scattered
+            inp = _gather_first_dim(inp, module.tp_group)
+            dgrad = _reduce_scatter_first_dim(grad_output.matmul(weight), module.tp_group)
+        else:
+            dgrad = grad_output.matmul(weight)
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         x = inp.reshape(-1, inp.shape[-1])
         if module.ub_bulk_dgrad or module.ub_overlap_ag:  # the GEMM's input lives in a shared UB buffer
@@ -236,8 +263,14 @@ class _TEBase(torch.nn.Module):
 class Linear(_TEBase):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, return_bias: bool = False,
                  parallel_mode=None, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False, ub_overlap_ag: bool = False):
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False, ub_overlap_ag: bool = False,
+                 sequence_parallel: bool = False, tp_group=None):
         super().__init__()
+        import torch.distributed as dist
+
+        self.parallel_mode, self.tp_group = parallel_mode, tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel and parallel_mode == "column"
         self.weight = torch.nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
         self.use_bias, self.return_bias = bias, return_bias
         self.apply_bias = bias and not return_bias
