@@ -70,8 +70,8 @@ saved input, is answered without communicating; ``wgrad_capture``): one TP all-g
 linear and microbatch, not two.
 
 Not supported (explicit errors): GTP-sharded weights (0.19's
-``gtp_remat_size > 1``: a reduce-scatter of the weight gradient), grouped-GEMM experts
-(GroupedMLP, TEGroupedMLP), Megatron-FSDP parameters,
+``gtp_remat_size > 1``: a reduce-scatter of the weight gradient), legacy grouped-GEMM
+experts (GroupedMLP; TE's TEGroupedMLP splits through wgrad_te), Megatron-FSDP parameters,
 and the TE cases ``wgrad_te.te_split_reason`` names. Layers
 using megatron-core's ``defer_embedding_wgrad_compute`` keep that mechanism.
 """

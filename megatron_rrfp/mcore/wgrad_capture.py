@@ -13,7 +13,7 @@ discarded placeholder instead of being computed; with gradient accumulation fusi
 ``fused_weight_gradient_mlp_cuda`` records its call instead of running the kernel.
 Everything else — the input gradient, its TP all-reduce, the bias gradient — is
 megatron-core's code; B then replaces element 1 of the tuple (the weight gradient) with
-``None`` (a zero under DDP overlap_grad_reduce, see below). The names are patched under a
+``None`` (fused: megatron's own dummy; see wgrad_store.register_b_placeholder). The names are patched under a
 lock and restored in a ``finally``; only the patching thread's calls are intercepted
 (autograd may run the backward on its device thread). Under sequence parallelism the
 recorded total_input is the TP all-gathered input (a view of megatron's global memory
