@@ -315,6 +315,7 @@ def test_te_split_equals_unsplit_on_every_te_version_with_f_outside_deferring(su
     assert "te1.weight" not in suite[f"{LATEST}:ddp-fused"]["hooks_with_grad"]
 
 
+@pytest.mark.timeout(180)  # may be the test that launches the suite
 def test_te_bias_in_gemm_returned_and_fp8_split(suite):
     """Findings 1 (TE's backward_dw crashes on a bias whose gradient came in B: returned bias,
     FP8) and 2 (overlap_grad_reduce with a bias TE folds into its deferred GEMM: DDP's hook
@@ -325,6 +326,7 @@ def test_te_bias_in_gemm_returned_and_fp8_split(suite):
             _ok(suite, name)
 
 
+@pytest.mark.timeout(180)  # may be the test that launches the suite
 def test_te_first_microbatch_overwrite_stays_exact(suite):
     """Finding 5: with fused accumulation the first-forwarded microbatch's GEMM overwrites
     main_grad; with the store full (B2, B3 inline before W0) that would drop their gradient."""
@@ -334,6 +336,7 @@ def test_te_first_microbatch_overwrite_stays_exact(suite):
         assert r["queued_after_b"] == [2, 2], r
 
 
+@pytest.mark.timeout(180)  # may be the test that launches the suite
 def test_te_grouped_experts_split(suite):
     """Finding 6: TE GroupedLinear experts (TEGroupedMLP) split; the op-fuser path and unfused
     GroupedLinear are refused with one line each."""
@@ -346,6 +349,7 @@ def test_te_grouped_experts_split(suite):
     assert any("GroupedLinear without gradient_accumulation_fusion" in b for b in suite["blockers_grouped_unfused"])
 
 
+@pytest.mark.timeout(180)  # may be the test that launches the suite
 def test_te_refusals_fifo_and_failed_b(suite):
     out = suite
     assert "fifo_error" not in out, out["fifo_error"]
@@ -357,6 +361,7 @@ def test_te_refusals_fifo_and_failed_b(suite):
     assert any("Userbuffers" in b and "ub_bulk_dgrad" in b for b in out["blockers_ub"]), out["blockers_ub"]
 
 
+@pytest.mark.timeout(70)
 def test_te_userbuffers_aliasing_is_what_the_refusal_prevents():
     err = launch(ub_aliasing_breaks_the_split, world_size=1, timeout=60)[0]
     assert err > 1e-3, err
