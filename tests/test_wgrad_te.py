@@ -372,10 +372,7 @@ def test_te_module_missing_attribute_is_a_blocker():
     assert len(blockers) == 1 and "lacks" in blockers[0] and "enable_delay_wgrad_compute" in blockers[0]
 
 
-def te_sequence_parallel_suite() -> dict:
-    """Finding 7: a column-parallel SP TE layer queues the TP-gathered input for W; the split
-    keeps this rank's shard and W gathers it again, so W holds what autograd saved anyway
-    (the local input) plus the output gradient, and the gradients equal the unsplit ones."""
+def _te_sequence_parallel() -> dict:
     import torch
     from megatron.core import parallel_state
 
@@ -409,8 +406,23 @@ def te_sequence_parallel_suite() -> dict:
             "queued": queued, "max_err": float((grads[1] - grads[0]).abs().max() / grads[0].abs().max())}
 
 
+def te_sequence_parallel_suite() -> dict:
+    """Finding 7: a column-parallel SP TE layer queues the TP-gathered input for W; the split
+    keeps this rank's shard and W gathers it again, so W holds what autograd saved anyway
+    (the local input) plus the output gradient, and the gradients equal the unsplit ones.
+    On 2.15 (no forward gating: only this finding) and the 2.20 line."""
+    from helpers import te_standin
+
+    out = {}
+    for version in ("2.15", LATEST):
+        with te_standin.te_version(version):
+            out[version] = _te_sequence_parallel()
+    return out
+
+
 @pytest.mark.timeout(120)
 def test_te_sequence_parallel_w_holds_the_local_input_only():
-    for out in launch(te_sequence_parallel_suite, world_size=2, tp=2, pp=1, timeout=110):
-        assert out["queued"] == MICROBATCHES and out["max_err"] <= 1e-6, out
-        assert out["held"] == out["expected"] < out["gathered"], out
+    for by_version in launch(te_sequence_parallel_suite, world_size=2, tp=2, pp=1, timeout=110):
+        for out in by_version.values():
+            assert out["queued"] == MICROBATCHES and out["max_err"] <= 1e-6, by_version
+            assert out["held"] == out["expected"] < out["gathered"], by_version
