@@ -95,9 +95,10 @@ class Hint:
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
         raise NotImplementedError
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True) -> Hint:
+    def for_layout(self, topology: Topology, *, split_backward: bool = True, memory: Optional[float] = None) -> Hint:
         """The concrete hint for this layout (itself, except for ``default``);
-        ``split_backward``: whether the model can defer its weight gradients (W tasks)."""
+        ``split_backward``: whether the model can defer its weight gradients (W tasks);
+        ``memory``: the stage's buffer limit as a multiple of Megatron's peak (None: 1x)."""
         return self
 
     def check_memory(self, topology: Topology, num_microbatches: int, buffer_limit: int) -> None:
@@ -144,20 +145,48 @@ class DirectionalHint(Hint):
         return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
+BFW_FROM_MEMORY = {1: 1.5, 2: 1.25, 3: 1.75}
+BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
+"""``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
+which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
+``BFW_FROM_MEMORY_MANY_CHUNKS``). Simulated (reference jitter j3, M = 4 PP, 7 seeds, PP
+4-16): below it ZB-H1's order keeps the interleaved warm-up the memory still binds (bfw
+0.70-0.98x of Megatron's interleaved schedule at 1x with 3-4 chunks); from it a stage spends
+the room on running ahead and W fills what is left (bfw 1.03-1.17x over zbh1 at 2x-4x).
+Without jitter the two tie everywhere. ``scripts/sim_default_grid.py`` prints the grid."""
+BF_INTERLEAVED_FROM_MEMORY = 2.0
+"""``default`` without a split backward, interleaved: ``bf`` from this multiple with 3 or more
+chunks, Megatron's own interleaved order (``1f1b``) below (simulated as above)."""
+
+
+def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[float]) -> str:
+    """The named hint ``default`` reads for this layout and memory (``DefaultHint``)."""
+    memory = 1.0 if memory is None else memory
+    chunks = topology.num_chunks
+    if split_backward:
+        threshold = BFW_FROM_MEMORY.get(chunks, BFW_FROM_MEMORY_MANY_CHUNKS)
+        return "bfw" if memory >= threshold - 1e-9 else "zbh1"
+    if not topology.interleaved:
+        return "bf"
+    return "bf" if chunks >= 3 and memory >= BF_INTERLEAVED_FROM_MEMORY - 1e-9 else "1f1b"
+
+
 class DefaultHint(Hint):
-    """What a user who names no hint gets. Where the model can defer its weight gradients:
-    ZB-H1 read readiness-first — at Megatron's memory (1x) the W tasks are what a stage can
-    run in a bubble without holding another forward (simulator, j3, PP=8, M=32: 1.23x over
-    strict 1F1B where BF gains 1.005x). Otherwise BF (the paper's) without chunks and
-    Megatron's own interleaved order with chunks. Without jitter it is never slower than
-    the order it reads strictly (tests/test_policy.py sweeps it)."""
+    """What a user who names no hint gets: the named hint that wins for this layout, this
+    buffer limit and what the model's backward allows (``default_choice``).
+
+    Where the model can defer its weight gradients: ZB-H1 read readiness-first near
+    Megatron's memory — at 1x the W tasks are what a stage can run in a bubble without
+    holding another forward (simulator, j3, PP=8, M=32: 1.23x over strict 1F1B where BF gains
+    1.005x) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
+    Otherwise BF (the paper's) without chunks, Megatron's own interleaved order with chunks
+    (``bf`` with 3+ chunks from 2x). Without jitter it is never slower than the order it
+    reads strictly (tests/test_policy.py sweeps it)."""
 
     name = "default"
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True) -> Hint:
-        if split_backward:
-            return make_hint("zbh1")
-        return make_hint("1f1b" if topology.interleaved else "bf")
+    def for_layout(self, topology: Topology, *, split_backward: bool = True, memory: Optional[float] = None) -> Hint:
+        return make_hint(default_choice(topology, split_backward=split_backward, memory=memory))
 
 
 class OrderedHint(Hint):
