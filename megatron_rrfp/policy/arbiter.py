@@ -45,7 +45,7 @@ from typing import Optional
 
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
-from .hints import Hint, OrderedHint, make_hint, validate_order
+from .hints import Hint, Memory, OrderedHint, make_hint, validate_order
 from .topology import Topology
 
 DEFAULT_HINT = "default"
@@ -84,20 +84,21 @@ class ArbiterConfig:
         return self.hint  # type: ignore[return-value]  # always a Hint after __post_init__
 
 
-def memory_multiple(buffer_limit: int, topology: Topology, num_microbatches: int) -> Optional[float]:
-    """The resolved limit as a multiple of Megatron's own peak (what ``default`` reads), None
-    for a layout Megatron's schedule refuses (no 1x to compare with)."""
+def memory_of(buffer_limit: int, topology: Topology, num_microbatches: int) -> Optional[Memory]:
+    """What ``default`` reads of the memory (hints.default_choice); None for a layout
+    Megatron's schedule refuses (no 1x to compare with)."""
     try:
-        return buffer_limit / megatron_peak_in_flight(topology, num_microbatches)
+        peak = megatron_peak_in_flight(topology, num_microbatches)
     except ValueError:
         return None
+    return Memory(buffer_limit, peak, num_microbatches * topology.num_chunks)
 
 
-def config_memory_multiple(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Optional[float]:
-    """``memory_multiple`` of a config's limit; ``auto`` reads as 1x, where every run starts
-    (the runtime replaces it by the measured int before it builds the call's plan)."""
+def config_memory(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Optional[Memory]:
+    """``memory_of`` a config's limit; ``auto`` reads as 1x, where every run starts (the
+    runtime replaces it by the measured int before it builds the call's plan)."""
     limit = resolve_buffer_limit(starting_limit(config.buffer_limit), topology, num_microbatches)
-    return memory_multiple(limit, topology, num_microbatches)
+    return memory_of(limit, topology, num_microbatches)
 
 
 class Arbiter:
@@ -118,8 +119,7 @@ class Arbiter:
         self.config = config
         self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
         self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok,
-                                                  memory=memory_multiple(self.buffer_limit, topology,
-                                                                         num_microbatches))
+                                                  memory=memory_of(self.buffer_limit, topology, num_microbatches))
         self.stage = stage
         self.topology = topology
         self.num_microbatches = num_microbatches
@@ -313,5 +313,5 @@ class Arbiter:
         return frontier
 
 
-__all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig", "config_memory_multiple",
-           "memory_multiple"]
+__all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig", "config_memory",
+           "memory_of"]

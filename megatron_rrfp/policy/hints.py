@@ -33,10 +33,11 @@ may fill idle time, which keeps the arbiter deadlock-free (arbiter.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from .actions import Kind, Task, peak_in_flight
 from .topology import Topology
@@ -95,10 +96,11 @@ class Hint:
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
         raise NotImplementedError
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True, memory: Optional[float] = None) -> Hint:
+    def for_layout(self, topology: Topology, *, split_backward: bool = True,
+                   memory: Optional[Memory] = None) -> Hint:
         """The concrete hint for this layout (itself, except for ``default``);
         ``split_backward``: whether the model can defer its weight gradients (W tasks);
-        ``memory``: the stage's buffer limit as a multiple of Megatron's peak (None: 1x)."""
+        ``memory``: the stage's buffer limit beside Megatron's peak (None: 1x)."""
         return self
 
     def check_memory(self, topology: Topology, num_microbatches: int, buffer_limit: int) -> None:
@@ -145,7 +147,7 @@ class DirectionalHint(Hint):
         return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
-BFW_FROM_MEMORY = {1: 1.5, 2: 1.25, 3: 1.75}
+BFW_FROM_MEMORY = {1: 1.25, 2: 1.25, 3: 1.75}
 BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
 """``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
 which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
@@ -159,16 +161,30 @@ BF_INTERLEAVED_FROM_MEMORY = 2.0
 chunks, Megatron's own interleaved order (``1f1b``) below (simulated as above)."""
 
 
-def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[float]) -> str:
-    """The named hint ``default`` reads for this layout and memory (``DefaultHint``)."""
-    memory = 1.0 if memory is None else memory
+class Memory(NamedTuple):
+    """A stage's buffer limit beside Megatron's own peak and the stage's M x C forwards (all
+    in (microbatch, chunk) forwards in flight): what ``default`` reads."""
+
+    limit: int
+    megatron_peak: int
+    all_forwards: int
+
+
+def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[Memory]) -> str:
+    """The named hint ``default`` reads for this layout and memory (``DefaultHint``). A
+    threshold t holds from the limit "tx" resolves to (floor(t x peak), budget.py), so "1.5x"
+    of 19 (= 28) reads as 1.5x."""
+    def at_least(multiple: float) -> bool:  # no memory given: 1x
+        return memory is not None and memory.limit >= max(1, math.floor(multiple * memory.megatron_peak + 1e-9))
+
     chunks = topology.num_chunks
     if split_backward:
-        threshold = BFW_FROM_MEMORY.get(chunks, BFW_FROM_MEMORY_MANY_CHUNKS)
-        return "bfw" if memory >= threshold - 1e-9 else "zbh1"
+        return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, BFW_FROM_MEMORY_MANY_CHUNKS)) else "zbh1"
     if not topology.interleaved:
         return "bf"
-    return "bf" if chunks >= 3 and memory >= BF_INTERLEAVED_FROM_MEMORY - 1e-9 else "1f1b"
+    if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
+        return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
+    return "bf" if chunks >= 3 and at_least(BF_INTERLEAVED_FROM_MEMORY) else "1f1b"
 
 
 class DefaultHint(Hint):
@@ -185,7 +201,8 @@ class DefaultHint(Hint):
 
     name = "default"
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True, memory: Optional[float] = None) -> Hint:
+    def for_layout(self, topology: Topology, *, split_backward: bool = True,
+                   memory: Optional[Memory] = None) -> Hint:
         return make_hint(default_choice(topology, split_backward=split_backward, memory=memory))
 
 

@@ -10,13 +10,14 @@ executor pays this once per (layout, microbatch count), not per iteration.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
 from .actions import Task
-from .arbiter import Arbiter, ArbiterConfig, config_memory_multiple
+from .arbiter import Arbiter, ArbiterConfig, config_memory
 from .dryrun import DeadlockError, constant_durations, run
 from .hints import HintError
 from .topology import Topology
@@ -39,7 +40,7 @@ class Plan:
         """The concrete hint for this layout (``default`` resolved)."""
         return self.config.parsed_hint.for_layout(
             self.topology, split_backward=self.config.split_backward_ok,
-            memory=config_memory_multiple(self.config, self.topology, self.num_microbatches))
+            memory=config_memory(self.config, self.topology, self.num_microbatches))
 
     @property
     def split_backward(self) -> bool:
@@ -57,7 +58,7 @@ class Plan:
 @lru_cache(maxsize=64)
 def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Plan:
     hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok,
-                                         memory=config_memory_multiple(config, topology, num_microbatches))
+                                         memory=config_memory(config, topology, num_microbatches))
     orders = hint.orders(topology, num_microbatches)
     if orders is None and config.strict:
         orders = _materialize(config, topology, num_microbatches)
@@ -86,12 +87,14 @@ def _announce_interleaved_bf(config: ArbiterConfig, topology: Topology, num_micr
     """One line (a warning, shown once per call site) where a user named ``bf`` / ``bfw`` for
     a layout where it is expected to lose; ``default`` never reads them there."""
     name = getattr(config.parsed_hint, "name", "")
-    memory = config_memory_multiple(config, topology, num_microbatches)
+    memory = config_memory(config, topology, num_microbatches)
     if name in ("bf", "bfw") and topology.num_chunks >= 3 and memory is not None and \
-            memory < INTERLEAVED_BF_LOSES_BELOW:
-        warnings.warn(f"megatron-rrfp: hint {name!r} with {topology.num_chunks} chunks at {memory:.3g}x Megatron's "
-                      f"memory is slower than Megatron's interleaved schedule under run-time jitter (simulated "
-                      f"0.70-0.98x); hint 'default' reads zbh1 / Megatron's order here", RuntimeWarning, stacklevel=3)
+            memory.limit < math.floor(INTERLEAVED_BF_LOSES_BELOW * memory.megatron_peak + 1e-9):
+        multiple = memory.limit / memory.megatron_peak
+        warnings.warn(f"megatron-rrfp: hint {name!r} with {topology.num_chunks} chunks at {multiple:.3g}x "
+                      f"Megatron's memory is slower than Megatron's interleaved schedule under run-time jitter "
+                      f"(simulated 0.70-0.98x); hint 'default' reads zbh1 / Megatron's order here", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _materialize(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> list[list[Task]]:
