@@ -9,11 +9,12 @@ is the full per-stage order, used by strict mode and for display):
   or an explicit per-stage list (JSON) — rank by position in the list.
 
 ``make_hint("bf" | "bfw" | "1f1b" | "zbh1" | "gpipe" | "path/to/hint.json")`` builds one;
-``"default"`` resolves per layout (``DefaultHint.for_layout``): ``zbh1`` read readiness-first
-where the model can split its backward (at Megatron's memory only deferred weight
-gradients give a stage something to run in a bubble), else ``bf`` without chunks and
-Megatron's own interleaved order (``1f1b``) with chunks (under reference jitter at 1x it
-beats chunk-aware BF: 1.10x vs 0.71x at PP=8, C=4, M=32).
+``"default"`` resolves per layout and buffer limit (``DefaultHint.for_layout``,
+``default_choice``): near Megatron's memory ``zbh1`` read readiness-first where the model
+can split its backward (at 1x only deferred weight gradients give a stage something to run
+in a bubble), else ``bf`` without chunks and Megatron's own interleaved order (``1f1b``)
+with chunks (under reference jitter at 1x it beats chunk-aware BF: 1.10x vs 0.71x at PP=8,
+C=4, M=32); with room to run ahead ``bfw`` (``BFW_FROM_MEMORY``).
 
 With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
 microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
