@@ -415,6 +415,7 @@ def _run_in_this_process(config: BenchConfig) -> dict:
 
 def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     from ..policy.topology import Topology
+    from ..sim.bounds import median_lower_bound
     from ..sim.simulator import policy, simulate
     from ..sim.variability import sample_realization
 
@@ -429,9 +430,9 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     # The simulator runs one limit on every stage: the smallest any stage used (auto may differ per stage).
     sim_limits = {key: min([v for v in limits if v] or [1]) for key, limits in stage_limits.items()}
     sims: dict[str, list[float]] = {}
-    for iteration in range(config.warmup, config.warmup + config.iterations):
-        realization = sample_realization(variability, topology, config.num_microbatches,
-                                         seed=config.seed * 100_003 + iteration)
+    realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
+                    for i in range(config.warmup, config.warmup + config.iterations)]
+    for realization in realizations:
         for run in bench_runs:
             sims.setdefault(run.key, []).append(simulate(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
                                                          topology, config.num_microbatches, realization).makespan)
@@ -453,6 +454,8 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
             "tokens_per_s": tokens / median,
             "simulated_iteration_time_s": statistics.median(sims[key]),
             "simulated_speedup": sim_base / statistics.median(sims[key]),
+            "over_lower_bound": median / median_lower_bound(policy(_SIM_POLICY[run.schedule], sim_limits[key]),
+                                                            topology, realizations),
             "breakdown_s": _across_ranks([r["runs"][key]["breakdown"] for r in per_rank]),
             "peak_activation_bytes": {"max_over_ranks": max(peak_bytes), "per_rank": peak_bytes},
             "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},

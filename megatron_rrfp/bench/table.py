@@ -15,7 +15,7 @@ def format_table(report: dict) -> str:
              f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
              f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
              f"{'schedule':<{width}}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
-             f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}"]
+             f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}{'/LB':>6}"]
     limits, specs = [], []
     for label, r in zip(labels, report["runs"]):
         t = r["iteration_time_s"]
@@ -25,12 +25,14 @@ def format_table(report: dict) -> str:
                      f"{r['peak_activation_bytes']['max_over_ranks'] / 1e6:>9.2f}"
                      + (f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}")
                      + f"{r['peak_in_flight']['max_over_ranks']:>10}"
-                     f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x")
+                     f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x"
+                     f"{r.get('over_lower_bound', float('nan')):>6.2f}")
         if r["buffer_limit"] is not None:
             specs.append(r["buffer_limit"]["spec"])
             limits.append(f"{label} {r['buffer_limit']['per_stage']}")
     lines.append(f"act MB: peak activation memory of the schedule call, max over ranks ({report['activation_measure']}"
-                 "); in flight: peak (microbatch, chunk) forwards held, max over ranks")
+                 "); in flight: peak (microbatch, chunk) forwards held, max over ranks; /LB: median time over the "
+                 "lower bound of the emulated device times (sim/bounds.py: no memory limit, no latency)")
     if limits:
         lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
     if sweep:

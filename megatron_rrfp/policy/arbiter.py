@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
-from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit
-from .hints import Hint, OrderedHint, make_hint, validate_order
+from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
+from .hints import Hint, Memory, OrderedHint, make_hint, validate_order
 from .topology import Topology
 
 DEFAULT_HINT = "default"
-"""bf without chunks, Megatron's interleaved order with chunks (hints.DefaultHint)."""
+"""Reads the layout, the buffer limit and whether the backward can split (hints.DefaultHint)."""
 DEFAULT_BUFFER_LIMIT = "1x"
 """Megatron's own activation memory for the layout (budget.py)."""
 
@@ -84,6 +84,23 @@ class ArbiterConfig:
         return self.hint  # type: ignore[return-value]  # always a Hint after __post_init__
 
 
+def memory_of(buffer_limit: int, topology: Topology, num_microbatches: int) -> Optional[Memory]:
+    """What ``default`` reads of the memory (hints.default_choice); None for a layout
+    Megatron's schedule refuses (no 1x to compare with)."""
+    try:
+        peak = megatron_peak_in_flight(topology, num_microbatches)
+    except ValueError:
+        return None
+    return Memory(buffer_limit, peak, num_microbatches * topology.num_chunks)
+
+
+def config_memory(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> Optional[Memory]:
+    """``memory_of`` a config's limit; ``auto`` reads as 1x, where every run starts (the
+    runtime replaces it by the measured int before it builds the call's plan)."""
+    limit = resolve_buffer_limit(starting_limit(config.buffer_limit), topology, num_microbatches)
+    return memory_of(limit, topology, num_microbatches)
+
+
 class Arbiter:
     """Per-stage policy state. Call ``choose(ready)`` then ``record(task)`` on dispatch.
 
@@ -100,7 +117,9 @@ class Arbiter:
         if not 0 <= stage < topology.num_stages:
             raise ValueError(f"stage {stage} outside pipeline of {topology.num_stages} stages")
         self.config = config
-        self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok)
+        self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
+        self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok,
+                                                  memory=memory_of(self.buffer_limit, topology, num_microbatches))
         self.stage = stage
         self.topology = topology
         self.num_microbatches = num_microbatches
@@ -109,7 +128,6 @@ class Arbiter:
         self.tasks = all_tasks(num_microbatches, topology.num_chunks,
                                split_backward=self.split_backward, forward_only=forward_only)
         self.prefer = Kind.B  # BF rounds start with the backward slot
-        self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
         # a microbatch must be able to hold all its chunks at once (see the module docstring)
         self._admission_limit = max(self.buffer_limit, topology.num_chunks)
         self._forwards_run = [0] * num_microbatches  # per microbatch, chunks forwarded here
@@ -295,4 +313,5 @@ class Arbiter:
         return frontier
 
 
-__all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig"]
+__all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig", "config_memory",
+           "memory_of"]

@@ -9,11 +9,12 @@ is the full per-stage order, used by strict mode and for display):
   or an explicit per-stage list (JSON) — rank by position in the list.
 
 ``make_hint("bf" | "bfw" | "1f1b" | "zbh1" | "gpipe" | "path/to/hint.json")`` builds one;
-``"default"`` resolves per layout (``DefaultHint.for_layout``): ``zbh1`` read readiness-first
-where the model can split its backward (at Megatron's memory only deferred weight
-gradients give a stage something to run in a bubble), else ``bf`` without chunks and
-Megatron's own interleaved order (``1f1b``) with chunks (under reference jitter at 1x it
-beats chunk-aware BF: 1.10x vs 0.71x at PP=8, C=4, M=32).
+``"default"`` resolves per layout and buffer limit (``DefaultHint.for_layout``,
+``default_choice``): near Megatron's memory ``zbh1`` read readiness-first where the model
+can split its backward (at 1x only deferred weight gradients give a stage something to run
+in a bubble), else ``bf`` without chunks and Megatron's own interleaved order (``1f1b``)
+with chunks (under reference jitter at 1x it beats chunk-aware BF: 1.10x vs 0.71x at PP=8,
+C=4, M=32); with room to run ahead ``bfw`` (``BFW_FROM_MEMORY``).
 
 With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
 microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
@@ -33,10 +34,11 @@ may fill idle time, which keeps the arbiter deadlock-free (arbiter.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from .actions import Kind, Task, peak_in_flight
 from .topology import Topology
@@ -95,9 +97,11 @@ class Hint:
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
         raise NotImplementedError
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True) -> Hint:
+    def for_layout(self, topology: Topology, *, split_backward: bool = True,
+                   memory: Optional[Memory] = None) -> Hint:
         """The concrete hint for this layout (itself, except for ``default``);
-        ``split_backward``: whether the model can defer its weight gradients (W tasks)."""
+        ``split_backward``: whether the model can defer its weight gradients (W tasks);
+        ``memory``: the stage's buffer limit beside Megatron's peak (None: 1x)."""
         return self
 
     def check_memory(self, topology: Topology, num_microbatches: int, buffer_limit: int) -> None:
@@ -144,20 +148,63 @@ class DirectionalHint(Hint):
         return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
+BFW_FROM_MEMORY = {1: 1.25, 2: 1.25, 3: 1.75}
+BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
+"""``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
+which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
+``BFW_FROM_MEMORY_MANY_CHUNKS``). Simulated (reference jitter j3, M = 4 PP, 7 seeds, PP
+4-16): below it ZB-H1's order keeps the interleaved warm-up the memory still binds (bfw
+0.70-0.98x of Megatron's interleaved schedule at 1x with 3-4 chunks); from it a stage spends
+the room on running ahead and W fills what is left (bfw 1.03-1.17x over zbh1 at 2x-4x).
+Without jitter the two tie everywhere. ``scripts/sim_default_grid.py`` prints the grid."""
+BF_INTERLEAVED_FROM_MEMORY = 2.0
+"""``default`` without a split backward, interleaved: ``bf`` from this multiple with 3 or more
+chunks, Megatron's own interleaved order (``1f1b``) below (simulated as above)."""
+
+
+class Memory(NamedTuple):
+    """A stage's buffer limit beside Megatron's own peak and the stage's M x C forwards (all
+    in (microbatch, chunk) forwards in flight): what ``default`` reads."""
+
+    limit: int
+    megatron_peak: int
+    all_forwards: int
+
+
+def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[Memory]) -> str:
+    """The named hint ``default`` reads for this layout and memory (``DefaultHint``). A
+    threshold t holds from the limit "tx" resolves to (floor(t x peak), budget.py), so "1.5x"
+    of 19 (= 28) reads as 1.5x."""
+    def at_least(multiple: float) -> bool:  # no memory given: 1x
+        return memory is not None and memory.limit >= max(1, math.floor(multiple * memory.megatron_peak + 1e-9))
+
+    chunks = topology.num_chunks
+    if split_backward:
+        return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, BFW_FROM_MEMORY_MANY_CHUNKS)) else "zbh1"
+    if not topology.interleaved:
+        return "bf"
+    if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
+        return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
+    return "bf" if chunks >= 3 and at_least(BF_INTERLEAVED_FROM_MEMORY) else "1f1b"
+
+
 class DefaultHint(Hint):
-    """What a user who names no hint gets. Where the model can defer its weight gradients:
-    ZB-H1 read readiness-first — at Megatron's memory (1x) the W tasks are what a stage can
-    run in a bubble without holding another forward (simulator, j3, PP=8, M=32: 1.23x over
-    strict 1F1B where BF gains 1.005x). Otherwise BF (the paper's) without chunks and
-    Megatron's own interleaved order with chunks. Without jitter it is never slower than
-    the order it reads strictly (tests/test_policy.py sweeps it)."""
+    """What a user who names no hint gets: the named hint that wins for this layout, this
+    buffer limit and what the model's backward allows (``default_choice``).
+
+    Where the model can defer its weight gradients: ZB-H1 read readiness-first near
+    Megatron's memory — at 1x the W tasks are what a stage can run in a bubble without
+    holding another forward (simulator, j3, PP=8, M=32: 1.23x over strict 1F1B where BF gains
+    1.005x) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
+    Otherwise BF (the paper's) without chunks, Megatron's own interleaved order with chunks
+    (``bf`` with 3+ chunks from 2x). Without jitter it is never slower than the order it
+    reads strictly (tests/test_policy.py sweeps it)."""
 
     name = "default"
 
-    def for_layout(self, topology: Topology, *, split_backward: bool = True) -> Hint:
-        if split_backward:
-            return make_hint("zbh1")
-        return make_hint("1f1b" if topology.interleaved else "bf")
+    def for_layout(self, topology: Topology, *, split_backward: bool = True,
+                   memory: Optional[Memory] = None) -> Hint:
+        return make_hint(default_choice(topology, split_backward=split_backward, memory=memory))
 
 
 class OrderedHint(Hint):

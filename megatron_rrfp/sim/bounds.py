@@ -1,6 +1,11 @@
 """Lower bounds on the makespan of one iteration (no schedule can beat them)."""
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+
+from ..policy.arbiter import ArbiterConfig
+from ..policy.plan import Plan
 from ..policy.topology import Topology
 from .variability import Realization
 
@@ -40,3 +45,11 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
         best = max(best, head + max(forward + backward, forward + half * backward + tail))
         head += min(fwd[s][0])
     return best
+
+
+def median_lower_bound(config: ArbiterConfig, topology: Topology, realizations: Sequence[Realization]) -> float:
+    """The median over realisations of the bound for the policy ``config`` runs (a split
+    backward or not, as its plan says): what `bench` divides its measured times by."""
+    m = len(realizations[0].forward[0][0])
+    split = Plan.build(config, topology, m).split_backward
+    return statistics.median(lower_bound(r, topology, m, split_backward=split) for r in realizations)
