@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agreement import create_agreement_groups
+from .config import collective_timeout_floor_s
 from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_channel_groups, create_pair_groups, warm_up
 from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
@@ -49,7 +50,7 @@ def device_timeout(timeout_s: float) -> datetime.timedelta:
     """NCCL's timeout for the pair groups: above every wait RRFP makes, each of which is at
     most ``timeout_s`` (the executor's stall timeout, ``flush``, the ring rule, the TP
     agreement group's timeout), so RRFP's diagnosis always prints before NCCL's watchdog."""
-    return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 300))
+    return datetime.timedelta(seconds=collective_timeout_floor_s(timeout_s))
 
 
 def resolve_transport(transport: str, device: torch.device) -> str:
