@@ -1,28 +1,38 @@
-"""Where data-parallel communication may overlap RRFP's task loop (mcore/dp_overlap.py)."""
+"""Where data-parallel communication may overlap RRFP's task loop, and the rule that makes it safe
+(mcore/dp_overlap.py); the rule itself is exercised on the single-queue emulation
+(tests/test_transport_emulated.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megatron_rrfp.mcore.dp_overlap import dp_overlap_blockers, overlapped_dp_communication_allowed
+from megatron_rrfp.mcore.dp_overlap import overlapped_dp_communication_allowed, overlapping_flags, whole_stage_agreement
 
 
 def _ddp(grad: bool, param: bool):
     return SimpleNamespace(ddp_config=SimpleNamespace(overlap_grad_reduce=grad, overlap_param_gather=param))
 
 
-def test_only_cuda_with_dp_and_interleaving_is_outside_the_argument():
-    assert not overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True)
-    for device, dp, interleaved in (("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)):
-        assert overlapped_dp_communication_allowed(device_type=device, data_parallel_size=dp, interleaved=interleaved)
-
-
-def test_blockers_name_the_megatron_flags():
+def test_only_interleaved_dp_overlap_on_cuda_needs_the_whole_stage_agreement():
     chunks = [_ddp(True, True), _ddp(True, True)]
-    assert dp_overlap_blockers(chunks, device_type="cuda", data_parallel_size=2, split_backward=False) == [
-        "overlap_grad_reduce (--overlap-grad-reduce)", "overlap_param_gather (--overlap-param-gather)"]
-    # the split backward already reduces after the last W; the all-gathers still overlap
-    assert dp_overlap_blockers(chunks, device_type="cuda", data_parallel_size=2, split_backward=True) == [
-        "overlap_param_gather (--overlap-param-gather)"]
-    assert dp_overlap_blockers(chunks[:1], device_type="cuda", data_parallel_size=2, split_backward=False) == []
-    assert dp_overlap_blockers([_ddp(False, False)] * 2, device_type="cuda", data_parallel_size=8,
-                               split_backward=False) == []
+    assert whole_stage_agreement(chunks, device_type="cuda", data_parallel_size=2)
+    assert whole_stage_agreement([_ddp(False, True)] * 2, device_type="cuda", data_parallel_size=2)
+    for models, device, dp in ((chunks, "cpu", 2), (chunks, "cuda", 1), (chunks[:1], "cuda", 2),
+                               ([_ddp(False, False)] * 2, "cuda", 8)):
+        assert not whole_stage_agreement(models, device_type=device, data_parallel_size=dp)
+    assert not whole_stage_agreement(chunks, device_type="cuda", data_parallel_size=2, forward_only=True)
+
+
+def test_overlap_is_allowed_everywhere_given_the_rule():
+    assert overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True)
+    # without the whole-stage agreement the interleaved CUDA case is outside the argument
+    assert not overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True,
+                                                   whole_stage=False)
+    for device, dp, interleaved in (("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)):
+        assert overlapped_dp_communication_allowed(device_type=device, data_parallel_size=dp, interleaved=interleaved,
+                                                   whole_stage=False)
+
+
+def test_flags_are_named_as_megatron_lm_spells_them():
+    assert overlapping_flags([_ddp(True, True)]) == ["overlap_grad_reduce (--overlap-grad-reduce)",
+                                                     "overlap_param_gather (--overlap-param-gather)"]
+    assert overlapping_flags([SimpleNamespace()]) == []
