@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agreement import create_agreement_groups
-from .config import collective_timeout_floor_s
 from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_channel_groups, create_pair_groups, warm_up
 from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit
+from .config import collective_timeout_floor_s
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "threads", "rounds")

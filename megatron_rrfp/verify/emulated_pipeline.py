@@ -75,8 +75,8 @@ class EmulatedJob:
     def whole_stage(self) -> bool:
         """The agreement spans every DP replica of a stage (mcore/dp_overlap.py's rule; on
         CUDA where it asks for it), unless this is the ablation that drops the rule."""
-        interleaved_overlap = self.dp > 1 and self.chunks > 1 and (self.overlap_grad_reduce or self.overlap_param_gather)
-        return interleaved_overlap and self.protocol != "rounds-dp-unagreed"
+        overlap = self.overlap_grad_reduce or self.overlap_param_gather
+        return self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
 
 
 @dataclass(frozen=True, slots=True)
