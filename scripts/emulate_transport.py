@@ -2,16 +2,21 @@
 """Both transport protocols on single-queue stand-in GPUs, over many random configurations.
 
     python scripts/emulate_transport.py [--jobs 100] [--seed 0] [--protocols rounds,early-receive] [--json PATH]
-    python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed   # ablations
+    python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed,rounds-dp-unagreed
 
-Each configuration is a whole PP x TP=2 job (PP 2-8, one or two model chunks, hints bf /
-bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
-latency) run by the real executor, TP agreement and transport on
-``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP
+Each configuration is a whole job — PP x TP=2 (PP 2-8, 1-4 model chunks), or in half of them a
+production job on two pipelines: DP=2 with megatron DDP's bucketed reductions
+(``--overlap-grad-reduce``) and the distributed optimizer's parameter all-gathers
+(``--overlap-param-gather``) issued where megatron issues them, some with MoE EP=2 (all-to-alls
+in F and B, the dispatcher's host sync in F), each pipeline stage at its own pace — with hints
+bf / bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
+latency, run by the real executor, agreement and transport on
+``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP / DP / EP
 collectives and p2p, the worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see that module).
-``rounds`` is the shipped device transport; ``early-receive`` replays the CUDA path this
-project had before it; ``rounds-without-ring-rule`` and ``rounds-unagreed`` each drop one
-rule of the rounds protocol (see ``verify/emulated_pipeline.py``). Prints one line per
+``rounds`` is the shipped device transport (with the whole-stage agreement where interleaved DP
+overlap needs it, ``mcore/dp_overlap.py``); ``early-receive`` replays the CUDA path this
+project had before it; ``rounds-without-ring-rule``, ``rounds-unagreed`` and ``rounds-dp-unagreed``
+each drop one rule (see ``verify/emulated_pipeline.py``). Prints one line per
 configuration of ``rounds`` that did not complete, then a summary per protocol:
 completed / device deadlocks / other failures.
 """
