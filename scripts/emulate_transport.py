@@ -3,6 +3,7 @@
 
     python scripts/emulate_transport.py [--jobs 100] [--seed 0] [--protocols rounds,early-receive] [--json PATH]
     python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed,rounds-dp-unagreed
+    python scripts/emulate_transport.py --dp-stress --jobs 40 --protocols rounds,rounds-dp-unagreed
 
 Each configuration is a whole job — PP x TP=2 (PP 2-8, 1-4 model chunks), or in half of them a
 production job on two pipelines: DP=2 with megatron DDP's bucketed reductions
@@ -34,10 +35,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--protocols", default="rounds,early-receive")
     parser.add_argument("--json", metavar="PATH", help="write every outcome as JSON")
+    parser.add_argument("--dp-stress", action="store_true",
+                        help="only interleaved DP=2 jobs with pipelines at very different paces "
+                             "(emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, random_jobs, run_emulated
+    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
 
     protocols = args.protocols.split(",")
     for protocol in protocols:
@@ -48,7 +52,8 @@ def main() -> int:
     for protocol in protocols:
         counts = {"completed": 0, "deadlock": 0, "failed": 0}
         start = time.monotonic()
-        for i, job in enumerate(random_jobs(args.jobs, seed=args.seed, protocol=protocol)):
+        jobs = (dp_stress_jobs if args.dp_stress else random_jobs)(args.jobs, seed=args.seed, protocol=protocol)
+        for i, job in enumerate(jobs):
             outcome = run_emulated(job)
             status = "completed" if outcome.completed else ("deadlock" if outcome.deadlock else "failed")
             counts[status] += 1

@@ -40,9 +40,15 @@ def test_rounds_protocol_completes_every_random_configuration_with_the_right_gra
     dict(pp=3, chunks=2, microbatches=3, hint="bfw", ep=2, overlap_grad_reduce=True),
     # no interleaving: reductions in the last B / W and all-gathers in the first F need no rule
     dict(pp=4, chunks=1, microbatches=6, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True),
+    # two of dp_stress_jobs where rounds-dp-unagreed (the rule dropped) deadlocked in 1 of 3 runs each:
+    # a cycle through both pipelines' DP reductions and rounds (scripts/emulate_transport.py --dp-stress)
+    dict(pp=4, chunks=3, microbatches=4, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=3.0,
+         channel_latency_ms=5.0, task_ms=(0.2, 1.0), seed=105),
+    dict(pp=4, chunks=2, microbatches=8, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=6.0,
+         channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108),
 ])
 def test_whole_production_jobs_on_two_pipelines_complete(kwargs):
-    job = EmulatedJob(dp=2, straggler=3.0, host_jitter_ms=3.0, quiet_s=3.0, seed=3, **kwargs)
+    job = EmulatedJob(**{"dp": 2, "straggler": 3.0, "host_jitter_ms": 3.0, "quiet_s": 3.0, "seed": 3, **kwargs})
     outcome = run_emulated(job)
     assert outcome.completed, outcome.error
     if job.whole_stage:  # lock-step: both pipelines' ranks of a stage ran one order

@@ -420,5 +420,25 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
     return jobs
 
 
-__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "random_jobs",
+def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
+    """Interleaved DP=2 jobs made to separate the pipelines: PP 3-4, 2-3 chunks, overlapped
+    reductions (all-gathers in half), stages at paces up to 3-6x apart, slow host channels —
+    where dropping the whole-stage rule (``rounds-dp-unagreed``) can close a cycle through
+    both pipelines (``runtime/rounds.py``: R(c) before round j on one, after round i on the other)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        pp = rng.choice((3, 4))
+        jobs.append(EmulatedJob(pp=pp, chunks=rng.choice((2, 3)), microbatches=pp * rng.choice((1, 2)), dp=2,
+                                hint=rng.choice(("bf", "bfw")), buffer_limit=rng.choice((2, 4, 32)),
+                                overlap_grad_reduce=True, overlap_param_gather=rng.random() < 0.5,
+                                buckets=rng.choice((1, 3)), straggler=rng.choice((3.0, 6.0)),
+                                host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
+                                task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
+                                quiet_s=quiet_s, timeout_s=20.0))
+    return jobs
+
+
+__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "dp_stress_jobs",
+           "random_jobs",
            "run_emulated"]
