@@ -35,12 +35,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--protocols", default="rounds,early-receive")
     parser.add_argument("--json", metavar="PATH", help="write every outcome as JSON")
+    parser.add_argument("--quiet-s", type=float, default=2.0,
+                        help="seconds without device progress before a deadlock is declared; on a loaded machine "
+                             "a starved host thread looks like one: raise it (e.g. 8 at load > 10)")
     parser.add_argument("--dp-stress", action="store_true",
                         help="only interleaved DP=2 jobs with pipelines at very different paces "
                              "(emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.quiet_s > 0:
+        parser.error(f"--quiet-s must be > 0, got {args.quiet_s}")
     from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
 
     protocols = args.protocols.split(",")
@@ -52,7 +57,8 @@ def main() -> int:
     for protocol in protocols:
         counts = {"completed": 0, "deadlock": 0, "failed": 0}
         start = time.monotonic()
-        jobs = (dp_stress_jobs if args.dp_stress else random_jobs)(args.jobs, seed=args.seed, protocol=protocol)
+        jobs = (dp_stress_jobs if args.dp_stress else random_jobs)(args.jobs, seed=args.seed, protocol=protocol,
+                                                                   quiet_s=args.quiet_s)
         for i, job in enumerate(jobs):
             outcome = run_emulated(job)
             status = "completed" if outcome.completed else ("deadlock" if outcome.deadlock else "failed")

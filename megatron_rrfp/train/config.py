@@ -64,8 +64,10 @@ class TrainConfig:
     tensor_model_parallel_size: int = _flag(1, "TP degree", "parallelism")
     pipeline_model_parallel_size: int = _flag(1, "PP degree; data parallelism takes the remaining ranks", "parallelism")
     virtual_pipeline_model_parallel_size: Optional[int] = _flag(
-        None, "Megatron-LM's interleaving: model chunks per pipeline rank (--num-layers / (PP x chunks) layers each; "
-        "rank r holds chunks r, r + PP, ... of the layer sequence); default: one chunk", "parallelism", type=int)
+        None, "interleaving: model chunks per pipeline rank (--num-layers / (PP x chunks) layers each; rank r holds "
+        "virtual stages r, r + PP, ...); Megatron-LM's --num-virtual-stages-per-pipeline-rank (also accepted) sets its "
+        "args.virtual_pipeline_model_parallel_size; default: one chunk", "parallelism", type=int,
+        aliases=("--num-virtual-stages-per-pipeline-rank",))
     micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
     global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
                                    "parallelism")
@@ -208,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if meta.get("action") != "store_true":
             meta["type"] = BOUNDS[f.name].parse if f.name in BOUNDS else meta.get("type", type(f.default))
             meta["help"] += f" (default {f.default})" if f.default is not None else ""
-        groups[name].add_argument("--" + f.name.replace("_", "-"), default=f.default, **meta)
+        aliases = meta.pop("aliases", ())
+        groups[name].add_argument("--" + f.name.replace("_", "-"), *aliases, default=f.default, **meta)
     add_rrfp_arguments(parser)
     for action in parser._actions:  # the shared flags, as this driver uses them
         if action.dest in TRAIN_HELP:
