@@ -36,3 +36,22 @@ def test_flags_are_named_as_megatron_lm_spells_them():
     assert overlapping_flags([_ddp(True, True)]) == ["overlap_grad_reduce (--overlap-grad-reduce)",
                                                      "overlap_param_gather (--overlap-param-gather)"]
     assert overlapping_flags([SimpleNamespace()]) == []
+
+
+def test_the_simulated_cost_of_dp_communication_at_the_end_and_overlapped():
+    """sim/dp_comm.py on a hand-made trace: one stage, two chunks, split backward."""
+    from megatron_rrfp.policy.actions import Kind, Task
+    from megatron_rrfp.sim.dp_comm import DPComm, iteration_time
+
+    trace = [(0, Task(Kind.F, 0, 0), 0.0, 1.0), (0, Task(Kind.F, 0, 1), 1.0, 2.0),
+             (0, Task(Kind.B, 0, 1), 2.0, 3.0), (0, Task(Kind.W, 0, 1), 3.0, 4.0),
+             (0, Task(Kind.B, 0, 0), 4.0, 5.0), (0, Task(Kind.W, 0, 0), 5.0, 6.0)]
+    comm = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2)
+    # at the end: 4 reductions after t=6, then 4 all-gathers
+    assert iteration_time(trace, 1, 2, comm, overlap_grad_reduce=False, overlap_param_gather=False) == 6 + 4 + 2
+    # overlapped: chunk 1's buckets from t=4 (its last W) run 4..6, chunk 0's 6..8; one all-gather exposed
+    assert iteration_time(trace, 1, 2, comm, overlap_grad_reduce=True, overlap_param_gather=True) == 8 + 0.5
+    # B-only parameters apart (a quarter bucket per chunk, taken from the mixed ones): launched at each last B
+    apart = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2, b_only_apart=True,
+                   b_only_share=0.25)
+    assert iteration_time(trace, 1, 2, apart, overlap_grad_reduce=True, overlap_param_gather=True) == 7.75 + 0.5
