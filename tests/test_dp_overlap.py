@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_rrfp.mcore.dp_overlap import overlapped_dp_communication_allowed, overlapping_flags, whole_stage_agreement
 
 
@@ -55,3 +57,27 @@ def test_the_simulated_cost_of_dp_communication_at_the_end_and_overlapped():
     apart = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2, b_only_apart=True,
                    b_only_share=0.25)
     assert iteration_time(trace, 1, 2, apart, overlap_grad_reduce=True, overlap_param_gather=True) == 7.75 + 0.5
+
+
+def _production_steps_on_cpu() -> list:
+    import torch.distributed as dist
+
+    from megatron_rrfp.verify.selfcheck import PRODUCTION_STEPS
+    from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
+
+    ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
+    return [compare_with_megatron(ctx, iterations=2, num_microbatches=4, device="cpu", **PRODUCTION_STEPS[name])
+            for name in ("production-bf16-dp-overlap-pp2-chunks2", "production-moe-ep2-pp2")]
+
+
+@pytest.mark.timeout(400)
+def test_production_selfcheck_steps_run_on_cpu():
+    """The GPU self-check's production steps' code on gloo, 4 ranks: DP2 x PP2 x 2 chunks with
+    --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer in bf16, and MoE
+    EP2 x PP2 (alltoall), each against Megatron's own schedule."""
+    from megatron_rrfp.dist.launcher import launch
+
+    for results in launch(_production_steps_on_cpu, world_size=4, tp=1, pp=2, timeout=360):
+        assert [status for status, _ in results] == ["PASS", "PASS"], results
+        assert "2 chunks x DP=2, overlapped DP + distributed optimizer, bf16" in results[0][1], results
+        assert "EP=2 (alltoall)" in results[1][1], results

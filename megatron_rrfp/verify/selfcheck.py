@@ -51,10 +51,12 @@ from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipel
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
 STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
-                   "te-bfw")
+                   "te-bfw", *("production-" + name for name in ("sp-tp2-pp2", "dp-overlap-pp2-chunks2",
+                                                                 "moe-ep2-pp2", "bf16-dp-overlap-pp2-chunks2")))
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
-               "equivalence-pp4-chunks2-dp2": 8}
+               "equivalence-pp4-chunks2-dp2": 8, "production-sp-tp2-pp2": 4, "production-dp-overlap-pp2-chunks2": 4,
+               "production-moe-ep2-pp2": 4, "production-bf16-dp-overlap-pp2-chunks2": 4}
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
@@ -289,6 +291,28 @@ def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
     return Result("equivalence-pp4-chunks2-dp2", *compare_with_megatron_on_gpu(ctx, pp=4, chunks=2))
 
 
+# Issue 29: Megatron-LM's production flags, each against Megatron's own schedule on the same GPUs
+# (DP = the rest of the world: 2 at 4 GPUs, 4 at 8). Cost: ~3 iterations x 8 micro-batches of a
+# 2-4 layer model plus one NCCL layout each; like the equivalence steps above, seconds apiece.
+PRODUCTION_STEPS = {
+    "production-sp-tp2-pp2": dict(tp=2, pp=2, sequence_parallel=True),  # W re-gathers its input over TP
+    # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved:
+    # the whole-stage agreement (mcore/dp_overlap.py)
+    "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
+    "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
+    "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),
+}
+
+
+def _production_step(name: str):
+    def step(ctx) -> Result:
+        from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+        return Result(name, *compare_with_megatron_on_gpu(ctx, **PRODUCTION_STEPS[name]))
+
+    return step
+
+
 def step_te_bfw(ctx) -> Result:
     """The real Transformer Engine path of the B/W split (mcore/wgrad_te.py; CPU tests use a
     stand-in): TE Linear layers built *without* delay_wgrad_compute, inside megatron-core
@@ -400,6 +424,7 @@ STEP_FUNCTIONS: dict[str, Callable] = {
     "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
     "megatron-equivalence": step_megatron_equivalence, "equivalence-tp2-pp2": step_equivalence_tp2_pp2,
     "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, "te-bfw": step_te_bfw,
+    **{name: _production_step(name) for name in PRODUCTION_STEPS},
 }
 
 
