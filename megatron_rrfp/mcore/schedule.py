@@ -109,9 +109,9 @@ def forward_backward_rrfp(
     _check_supported(config, models)
     device = compat.pipeline_device()
     data_parallel_size = compat.data_parallel_size(pg_collection)
-    # interleaved DP overlap on CUDA: every DP replica of the stage joins the agreement (dp_overlap.py)
-    dp_whole_stage = whole_stage_agreement(models, device_type=device.type, data_parallel_size=data_parallel_size,
-                                           forward_only=forward_only)
+    # interleaved DP overlap on CUDA: every DP replica of the stage joins the agreement (dp_overlap.py);
+    # forward-only calls too, so evaluation does not rebuild the session's groups each time
+    dp_whole_stage = whole_stage_agreement(models, device_type=device.type, data_parallel_size=data_parallel_size)
     groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator,
                                    whole_stage=compat.reduces_over_data_parallel(config) or dp_whole_stage)
     pp_ranks = dist.get_process_group_ranks(groups.pp)
