@@ -2,16 +2,22 @@
 """Both transport protocols on single-queue stand-in GPUs, over many random configurations.
 
     python scripts/emulate_transport.py [--jobs 100] [--seed 0] [--protocols rounds,early-receive] [--json PATH]
-    python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed   # ablations
+    python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed,rounds-dp-unagreed
+    python scripts/emulate_transport.py --dp-stress --jobs 40 --protocols rounds,rounds-dp-unagreed
 
-Each configuration is a whole PP x TP=2 job (PP 2-8, one or two model chunks, hints bf /
-bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
-latency) run by the real executor, TP agreement and transport on
-``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP
+Each configuration is a whole job — PP x TP=2 (PP 2-8, 1-4 model chunks), or in half of them a
+production job on two pipelines: DP=2 with megatron DDP's bucketed reductions
+(``--overlap-grad-reduce``) and the distributed optimizer's parameter all-gathers
+(``--overlap-param-gather``) issued where megatron issues them, some with MoE EP=2 (all-to-alls
+in F and B, the dispatcher's host sync in F), each pipeline stage at its own pace — with hints
+bf / bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
+latency, run by the real executor, agreement and transport on
+``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP / DP / EP
 collectives and p2p, the worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see that module).
-``rounds`` is the shipped device transport; ``early-receive`` replays the CUDA path this
-project had before it; ``rounds-without-ring-rule`` and ``rounds-unagreed`` each drop one
-rule of the rounds protocol (see ``verify/emulated_pipeline.py``). Prints one line per
+``rounds`` is the shipped device transport (with the whole-stage agreement where interleaved DP
+overlap needs it, ``mcore/dp_overlap.py``); ``early-receive`` replays the CUDA path this
+project had before it; ``rounds-without-ring-rule``, ``rounds-unagreed`` and ``rounds-dp-unagreed``
+each drop one rule (see ``verify/emulated_pipeline.py``). Prints one line per
 configuration of ``rounds`` that did not complete, then a summary per protocol:
 completed / device deadlocks / other failures.
 """
@@ -29,10 +35,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--protocols", default="rounds,early-receive")
     parser.add_argument("--json", metavar="PATH", help="write every outcome as JSON")
+    parser.add_argument("--quiet-s", type=float, default=2.0,
+                        help="seconds without device progress before a deadlock is declared; on a loaded machine "
+                             "a starved host thread looks like one: raise it (e.g. 8 at load > 10)")
+    parser.add_argument("--dp-stress", action="store_true",
+                        help="only interleaved DP=2 jobs with pipelines at very different paces "
+                             "(emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, random_jobs, run_emulated
+    if not args.quiet_s > 0:
+        parser.error(f"--quiet-s must be > 0, got {args.quiet_s}")
+    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
 
     protocols = args.protocols.split(",")
     for protocol in protocols:
@@ -43,7 +57,9 @@ def main() -> int:
     for protocol in protocols:
         counts = {"completed": 0, "deadlock": 0, "failed": 0}
         start = time.monotonic()
-        for i, job in enumerate(random_jobs(args.jobs, seed=args.seed, protocol=protocol)):
+        jobs = (dp_stress_jobs if args.dp_stress else random_jobs)(args.jobs, seed=args.seed, protocol=protocol,
+                                                                   quiet_s=args.quiet_s)
+        for i, job in enumerate(jobs):
             outcome = run_emulated(job)
             status = "completed" if outcome.completed else ("deadlock" if outcome.deadlock else "failed")
             counts[status] += 1

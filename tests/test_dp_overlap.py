@@ -1,28 +1,83 @@
-"""Where data-parallel communication may overlap RRFP's task loop (mcore/dp_overlap.py)."""
+"""Where data-parallel communication may overlap RRFP's task loop, and the rule that makes it safe
+(mcore/dp_overlap.py); the rule itself is exercised on the single-queue emulation
+(tests/test_transport_emulated.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megatron_rrfp.mcore.dp_overlap import dp_overlap_blockers, overlapped_dp_communication_allowed
+import pytest
+
+from megatron_rrfp.mcore.dp_overlap import overlapped_dp_communication_allowed, overlapping_flags, whole_stage_agreement
 
 
 def _ddp(grad: bool, param: bool):
     return SimpleNamespace(ddp_config=SimpleNamespace(overlap_grad_reduce=grad, overlap_param_gather=param))
 
 
-def test_only_cuda_with_dp_and_interleaving_is_outside_the_argument():
-    assert not overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True)
-    for device, dp, interleaved in (("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)):
-        assert overlapped_dp_communication_allowed(device_type=device, data_parallel_size=dp, interleaved=interleaved)
-
-
-def test_blockers_name_the_megatron_flags():
+def test_only_interleaved_dp_overlap_on_cuda_needs_the_whole_stage_agreement():
     chunks = [_ddp(True, True), _ddp(True, True)]
-    assert dp_overlap_blockers(chunks, device_type="cuda", data_parallel_size=2, split_backward=False) == [
-        "overlap_grad_reduce (--overlap-grad-reduce)", "overlap_param_gather (--overlap-param-gather)"]
-    # the split backward already reduces after the last W; the all-gathers still overlap
-    assert dp_overlap_blockers(chunks, device_type="cuda", data_parallel_size=2, split_backward=True) == [
-        "overlap_param_gather (--overlap-param-gather)"]
-    assert dp_overlap_blockers(chunks[:1], device_type="cuda", data_parallel_size=2, split_backward=False) == []
-    assert dp_overlap_blockers([_ddp(False, False)] * 2, device_type="cuda", data_parallel_size=8,
-                               split_backward=False) == []
+    assert whole_stage_agreement(chunks, device_type="cuda", data_parallel_size=2)
+    assert whole_stage_agreement([_ddp(False, True)] * 2, device_type="cuda", data_parallel_size=2)
+    for models, device, dp in ((chunks, "cpu", 2), (chunks, "cuda", 1), (chunks[:1], "cuda", 2),
+                               ([_ddp(False, False)] * 2, "cuda", 8)):
+        assert not whole_stage_agreement(models, device_type=device, data_parallel_size=dp)
+    assert not whole_stage_agreement(chunks, device_type="cuda", data_parallel_size=2, forward_only=True)
+
+
+def test_overlap_is_allowed_everywhere_given_the_rule():
+    assert overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True)
+    # without the whole-stage agreement the interleaved CUDA case is outside the argument
+    assert not overlapped_dp_communication_allowed(device_type="cuda", data_parallel_size=2, interleaved=True,
+                                                   whole_stage=False)
+    for device, dp, interleaved in (("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)):
+        assert overlapped_dp_communication_allowed(device_type=device, data_parallel_size=dp, interleaved=interleaved,
+                                                   whole_stage=False)
+
+
+def test_flags_are_named_as_megatron_lm_spells_them():
+    assert overlapping_flags([_ddp(True, True)]) == ["overlap_grad_reduce (--overlap-grad-reduce)",
+                                                     "overlap_param_gather (--overlap-param-gather)"]
+    assert overlapping_flags([SimpleNamespace()]) == []
+
+
+def test_the_simulated_cost_of_dp_communication_at_the_end_and_overlapped():
+    """sim/dp_comm.py on a hand-made trace: one stage, two chunks, split backward."""
+    from megatron_rrfp.policy.actions import Kind, Task
+    from megatron_rrfp.sim.dp_comm import DPComm, iteration_time
+
+    trace = [(0, Task(Kind.F, 0, 0), 0.0, 1.0), (0, Task(Kind.F, 0, 1), 1.0, 2.0),
+             (0, Task(Kind.B, 0, 1), 2.0, 3.0), (0, Task(Kind.W, 0, 1), 3.0, 4.0),
+             (0, Task(Kind.B, 0, 0), 4.0, 5.0), (0, Task(Kind.W, 0, 0), 5.0, 6.0)]
+    comm = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2)
+    # at the end: 4 reductions after t=6, then 4 all-gathers
+    assert iteration_time(trace, 1, 2, comm, overlap_grad_reduce=False, overlap_param_gather=False) == 6 + 4 + 2
+    # overlapped: chunk 1's buckets from t=4 (its last W) run 4..6, chunk 0's 6..8; one all-gather exposed
+    assert iteration_time(trace, 1, 2, comm, overlap_grad_reduce=True, overlap_param_gather=True) == 8 + 0.5
+    # B-only parameters apart (a quarter bucket per chunk, taken from the mixed ones): launched at each last B
+    apart = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2, b_only_apart=True,
+                   b_only_share=0.25)
+    assert iteration_time(trace, 1, 2, apart, overlap_grad_reduce=True, overlap_param_gather=True) == 7.75 + 0.5
+
+
+def _production_steps_on_cpu() -> list:
+    import torch.distributed as dist
+
+    from megatron_rrfp.verify.selfcheck import PRODUCTION_STEPS
+    from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
+
+    ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
+    return [compare_with_megatron(ctx, iterations=2, num_microbatches=4, device="cpu", **PRODUCTION_STEPS[name])
+            for name in ("production-bf16-dp-overlap-pp2-chunks2", "production-moe-ep2-pp2")]
+
+
+@pytest.mark.timeout(400)
+def test_production_selfcheck_steps_run_on_cpu():
+    """The GPU self-check's production steps' code on gloo, 4 ranks: DP2 x PP2 x 2 chunks with
+    --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer in bf16, and MoE
+    EP2 x PP2 (alltoall), each against Megatron's own schedule."""
+    from megatron_rrfp.dist.launcher import launch
+
+    for results in launch(_production_steps_on_cpu, world_size=4, tp=1, pp=2, timeout=360):
+        assert [status for status, _ in results] == ["PASS", "PASS"], results
+        assert "2 chunks x DP=2, overlapped DP + distributed optimizer, bf16" in results[0][1], results
+        assert "EP=2 (alltoall)" in results[1][1], results

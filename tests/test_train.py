@@ -253,19 +253,64 @@ def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():
 
 
 @pytest.mark.timeout(400)
-def test_dp2_pp2_overlap_grad_reduce_and_distributed_optimizer_same_losses_as_1f1b():
-    """Megatron-LM's --overlap-grad-reduce --use-distributed-optimizer over DP=2 x PP=2: the
-    default policy (B/W split active: no fallback line) trains like Megatron's 1F1B."""
-    layout = [*TINY, "--nproc", "4", "--train-iters", "4", "--overlap-grad-reduce",
+def test_dp2_pp2_interleaved_production_flags_same_losses_as_1f1b():
+    """Megatron-LM's production DP flags over DP=2 x PP=2 x 2 model chunks (--num-layers 4: one
+    layer per chunk): --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer.
+    The default policy (B/W split active: no fallback line) trains like Megatron's interleaved 1F1B."""
+    layout = [*TINY, "--nproc", "4", "--train-iters", "4", "--num-layers", "4",
+              "--virtual-pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
               "--use-distributed-optimizer"]
     ours = train(*layout, "--pipeline-schedule", "rrfp", timeout=300)
     megatron = train(*layout, "--pipeline-schedule", "1f1b", timeout=300)
     assert "without the B/W split" not in ours.stdout, ours.stdout[-2000:]
+    assert "TP 1 x PP 2 x DP 2 (2 model chunks per rank)" in ours.stdout, ours.stdout[-2000:]
     a, b = losses(ours), losses(megatron)
     assert a.keys() == b.keys() == {1, 2, 3, 4}
     assert all(abs(a[i] - b[i]) <= 1e-5 for i in a), (a, b)
+    assert len(set(a.values())) == 4, a  # the all-gathered weights change: no iteration repeats a loss
+
+
+def test_interleaving_flags_are_checked_before_any_rank_starts():
+    from megatron_rrfp.train.config import check_layout, from_args
+    from megatron_rrfp.train.driver import build_parser
+
+    def error(*flags: str, world: int | None = None) -> str:
+        with pytest.raises(ValueError) as info:
+            config = from_args(build_parser().parse_args([*TINY, *flags]))
+            check_layout(config, world)
+        return str(info.value)
+
+    assert "--num-layers 2 is not divisible by --pipeline-model-parallel-size x --virtual-pipeline-model-parallel" \
+        in error("--virtual-pipeline-model-parallel-size", "2")
+    assert "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce" \
+        in error("--overlap-param-gather", "--overlap-grad-reduce")
+    assert "fewer than --pipeline-model-parallel-size 2" in error(
+        "--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "4", world=4)
 
 
 def test_sequence_parallel_needs_tensor_parallelism():
     result = train(*TINY, "--sequence-parallel")
     assert result.returncode != 0 and "--sequence-parallel needs --tensor-model-parallel-size > 1" in result.stderr
+
+
+def test_collective_timeout_must_exceed_rrfp_timeout_plus_margin():
+    """Both drivers (train's config and Megatron-LM's namespace) hold --distributed-timeout-minutes
+    above --rrfp-timeout plus its margin: the default is raised, a lower explicit value refused."""
+    from argparse import Namespace
+
+    from megatron_rrfp.megatron_lm.flags import validate_rrfp_arguments
+    from megatron_rrfp.train.config import from_args
+    from megatron_rrfp.train.driver import build_parser
+
+    rrfp = [*TINY, "--pipeline-schedule", "rrfp"]
+    assert from_args(build_parser().parse_args(rrfp)).distributed_timeout_minutes == 20  # 600 s + 600 s
+    assert from_args(build_parser().parse_args([*rrfp, "--rrfp-timeout", "60"])).distributed_timeout_minutes == 10
+    with pytest.raises(ValueError, match=r"^--distributed-timeout-minutes 15 \(900 s\) is below --rrfp-timeout "
+                                         r"600 s plus its margin \(1200 s in all\).*--distributed-timeout-minutes 20"):
+        from_args(build_parser().parse_args([*rrfp, "--distributed-timeout-minutes", "15"]))
+    megatron_lm = Namespace(pipeline_schedule="rrfp", rrfp_hint="default", rrfp_buffer_limit=16, rrfp_strict=False,
+                            rrfp_timeout=900.0, rrfp_trace_dir=None, rrfp_goodput_ledger=None,
+                            pipeline_model_parallel_size=2, distributed_timeout_minutes=10)
+    validate_rrfp_arguments(megatron_lm)
+    assert megatron_lm.distributed_timeout_minutes == 30  # 900 s + 900 s, in whole minutes
+    assert from_args(build_parser().parse_args(TINY)).distributed_timeout_minutes == 10  # 1f1b: untouched

@@ -22,12 +22,53 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_rounds_protocol_completes_every_random_configuration_with_the_right_gradients():
-    # PP 2-8, TP=2, one or two chunks, bf / bfw / 1f1b, buffer limits 2 / 4 / 32
+    # PP 2-8, TP=2, 1-4 chunks, bf / bfw / 1f1b, buffer limits 2 / 4 / 32; half of them two pipelines
+    # (DP=2, overlapped DDP reductions / all-gathers, some with EP=2 all-to-alls)
     jobs = random_jobs(18, seed=11, protocol="rounds", quiet_s=3.0)
-    assert {j.pp for j in jobs} >= {2, 3, 4, 8} and {j.chunks for j in jobs} == {1, 2}
+    assert {j.pp for j in jobs} >= {2, 3, 4} and {j.chunks for j in jobs} == {1, 2, 3, 4}
     assert {j.hint for j in jobs} >= {"bf", "bfw", "1f1b"}
+    assert {j.dp for j in jobs} == {1, 2} and {j.ep for j in jobs} == {1, 2}
     failed = [(job.describe(), outcome.error) for job in jobs if not (outcome := run_emulated(job)).completed]
     assert not failed, failed
+
+
+@pytest.mark.parametrize("kwargs", [
+    # interleaved DP overlap: every replica of a stage joins the agreement (mcore/dp_overlap.py)
+    dict(pp=4, chunks=4, microbatches=4, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3),
+    dict(pp=3, chunks=2, microbatches=6, hint="bf", overlap_grad_reduce=True, overlap_param_gather=True),
+    # MoE: all-to-alls in F and B and the dispatcher's host sync, on two pipelines (EP spans them)
+    dict(pp=3, chunks=2, microbatches=3, hint="bfw", ep=2, overlap_grad_reduce=True),
+    # no interleaving: reductions in the last B / W and all-gathers in the first F need no rule
+    dict(pp=4, chunks=1, microbatches=6, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True),
+    # two of dp_stress_jobs where rounds-dp-unagreed (the rule dropped) deadlocked in 1 of 3 runs each:
+    # a cycle through both pipelines' DP reductions and rounds (scripts/emulate_transport.py --dp-stress)
+    dict(pp=4, chunks=3, microbatches=4, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=3.0,
+         channel_latency_ms=5.0, task_ms=(0.2, 1.0), seed=105),
+    dict(pp=4, chunks=2, microbatches=8, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=6.0,
+         channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108),
+])
+def test_whole_production_jobs_on_two_pipelines_complete(kwargs):
+    job = EmulatedJob(**{"dp": 2, "straggler": 3.0, "host_jitter_ms": 3.0, "quiet_s": 3.0, "seed": 3, **kwargs})
+    outcome = run_emulated(job)
+    assert outcome.completed, outcome.error
+    if job.whole_stage:  # lock-step: both pipelines' ranks of a stage ran one order
+        assert all(outcome.orders[s * 2] == outcome.orders[job.pp * 2 + s * 2] for s in range(job.pp))
+
+
+def test_replicas_that_issue_different_collectives_are_caught():
+    """The fabric pairs a group's n-th collectives and fails the job when they differ (NCCL
+    would hang on different sizes and corrupt on equal ones): what a DP rule must prevent."""
+    from megatron_rrfp.verify.queue_device import MismatchedCollective, QueueFabric, TPGroupOps
+
+    fabric = QueueFabric([0, 1], quiet_s=1.0)
+    try:
+        dp = TPGroupOps(fabric, "dp0", [0, 1])
+        dp.collective(0, ("reduce", 1, 0))
+        done = dp.collective(1, ("reduce", 0, 0))
+        with pytest.raises(MismatchedCollective, match=r"rank 0 issued \('reduce', 1, 0\), rank 1 issued"):
+            done.synchronize(5.0)
+    finally:
+        fabric.stop()
 
 
 @pytest.mark.parametrize("pp,chunks,hint", [(2, 1, "bf"), (3, 1, "bfw"), (4, 2, "bf")])

@@ -16,6 +16,15 @@ from ..policy.arbiter import ArbiterConfig
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def collective_timeout_floor_s(timeout_s: float) -> float:
+    """The least timeout (seconds) of any collective RRFP's task loop can block in (NCCL's
+    watchdog, gloo's): ``--rrfp-timeout`` plus a margin of max(itself, 300 s). Every wait RRFP
+    makes is at most ``timeout_s`` (stall timeout, flush, the ring rule, the TP agreement), and
+    the margin covers the diagnosis, the communicators' abort and the launcher's reaction, so
+    RRFP's state dump prints before a collective's own timeout tears the process down."""
+    return timeout_s + max(timeout_s, 300.0)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RRFPConfig:
     """Options of the readiness-first schedule (Megatron-LM flags in parentheses)."""
@@ -82,4 +91,4 @@ def set_defaults(config: RRFPConfig) -> None:
     _defaults = config
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RRFPConfig", "configure", "defaults", "set_defaults"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RRFPConfig", "collective_timeout_floor_s", "configure", "defaults", "set_defaults"]

@@ -26,7 +26,7 @@ from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, compat, recovery
 from .config import RRFPConfig, defaults
-from .dp_overlap import dp_overlap_blockers, overlapped_dp_communication_allowed
+from .dp_overlap import overlapped_dp_communication_allowed, whole_stage_agreement
 from .grad_sync import GradSyncController
 from .session import session
 from .stage_work import MegatronStageWork, attach_split_readiness, weight_grad_store, with_split_capability
@@ -107,15 +107,19 @@ def forward_backward_rrfp(
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
     config = compat.get_model_config(models[0])
     _check_supported(config, models)
+    device = compat.pipeline_device()
+    data_parallel_size = compat.data_parallel_size(pg_collection)
+    # interleaved DP overlap on CUDA: every DP replica of the stage joins the agreement (dp_overlap.py);
+    # forward-only calls too, so evaluation does not rebuild the session's groups each time
+    dp_whole_stage = whole_stage_agreement(models, device_type=device.type, data_parallel_size=data_parallel_size)
     groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator,
-                                   whole_stage=compat.reduces_over_data_parallel(config))
+                                   whole_stage=compat.reduces_over_data_parallel(config) or dp_whole_stage)
     pp_ranks = dist.get_process_group_ranks(groups.pp)
     if len(pp_ranks) < 2:
         raise ValueError("megatron_rrfp: the pipeline-parallel size is 1; use Megatron's "
                          "forward_backward_no_pipelining (get_forward_backward_func does this)")
     stage = pp_ranks.index(dist.get_rank())
     topology = Topology(len(pp_ranks), len(models))
-    device = compat.pipeline_device()
     runtime = session(pp_ranks, groups.agreement_ranks, device, options.timeout_s, options.transport)
     options = with_split_capability(options, models, all_stages=lambda ok: _all_true(ok, groups.pp, device))
     limit = auto_limit.call_limit(
@@ -123,13 +127,6 @@ def forward_backward_rrfp(
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
     plan = Plan.build(limit.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
-    data_parallel_size = compat.data_parallel_size(pg_collection)
-    blockers = [] if forward_only else dp_overlap_blockers(
-        models, device_type=device.type, data_parallel_size=data_parallel_size, split_backward=arbiter.split_backward)
-    if blockers:
-        raise ValueError(f"megatron_rrfp: {' and '.join(blockers)} with interleaving and data parallelism on CUDA "
-                         "would overlap data-parallel communication with pipeline rounds, outside RRFP's deadlock "
-                         "argument (mcore/dp_overlap.py); turn it off, or run without interleaving")
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter, hint=options.arbiter.parsed_hint.name) \
         if arbiter.split_backward else None
@@ -159,7 +156,8 @@ def forward_backward_rrfp(
         work.wgrad_store = wgrad_store
         if wgrad_store is not None:
             attach_split_readiness(work, overlap_allowed=overlapped_dp_communication_allowed(
-                device_type=device.type, data_parallel_size=data_parallel_size, interleaved=len(models) > 1))
+                device_type=device.type, data_parallel_size=data_parallel_size, interleaved=len(models) > 1,
+                whole_stage=dp_whole_stage))
         iteration = PipelineIteration(
             work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
             transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,

@@ -39,6 +39,7 @@ from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
 from . import auto_limit
+from .config import collective_timeout_floor_s
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "threads", "rounds")
@@ -49,7 +50,7 @@ def device_timeout(timeout_s: float) -> datetime.timedelta:
     """NCCL's timeout for the pair groups: above every wait RRFP makes, each of which is at
     most ``timeout_s`` (the executor's stall timeout, ``flush``, the ring rule, the TP
     agreement group's timeout), so RRFP's diagnosis always prints before NCCL's watchdog."""
-    return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + 300))
+    return datetime.timedelta(seconds=collective_timeout_floor_s(timeout_s))
 
 
 def resolve_transport(transport: str, device: torch.device) -> str:

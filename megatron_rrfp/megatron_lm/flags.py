@@ -4,11 +4,12 @@ of checks, the same error messages everywhere)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional
 
 from ..checks import BUFFER_LIMIT, TIMEOUT_S
-from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig
+from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig, collective_timeout_floor_s
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 from ..policy.hints import BUILTIN_HINTS, HintError
 from ..policy.topology import Topology
@@ -51,7 +52,7 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
     return parser
 
 
-def validate_rrfp_arguments(args: argparse.Namespace) -> Optional[RRFPConfig]:
+def validate_rrfp_arguments(args: argparse.Namespace, *, notes: Optional[list] = None) -> Optional[RRFPConfig]:
     """Check the flags and build the executor options once (the hint parsed and kept).
     Returns the options when rrfp is selected, None for 1f1b. Raises ValueError naming
     the flag and the fix; no silent fallback."""
@@ -71,7 +72,38 @@ def validate_rrfp_arguments(args: argparse.Namespace) -> Optional[RRFPConfig]:
     if schedule != "rrfp":
         return None
     check_megatron_layout(config, args)
+    note = check_distributed_timeout(config, args)
+    if note is not None and notes is not None:
+        notes.append(note)
     return config
+
+
+MEGATRON_DISTRIBUTED_TIMEOUT_MINUTES = 10
+"""Megatron-LM's (and ``megatron-rrfp train``'s) default --distributed-timeout-minutes."""
+
+
+def check_distributed_timeout(config: RRFPConfig, args) -> Optional[str]:
+    """--distributed-timeout-minutes (NCCL's / gloo's timeout of Megatron's own groups: DP, TP,
+    EP) must lie above --rrfp-timeout plus its margin (``collective_timeout_floor_s``), or a
+    hung collective inside the task loop ends the process before RRFP's diagnosis prints.
+    Left at Megatron-LM's default it is raised to that floor (returns the note saying so); set
+    lower explicitly, it is refused. ``args`` without the flag (megatron-core only) is not checked."""
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    if not isinstance(minutes, (int, float)) or isinstance(minutes, bool):
+        return None
+    floor_s = collective_timeout_floor_s(config.timeout_s)
+    if 60.0 * minutes >= floor_s:
+        return None
+    needed = math.ceil(floor_s / 60.0)
+    if minutes == MEGATRON_DISTRIBUTED_TIMEOUT_MINUTES:
+        args.distributed_timeout_minutes = type(minutes)(needed)
+        return (f"megatron-rrfp: --distributed-timeout-minutes raised from Megatron-LM's default {minutes:g} to "
+                f"{needed} (above --rrfp-timeout {config.timeout_s:g} s plus its margin), so RRFP's stall "
+                "diagnosis prints before a collective's timeout")
+    raise ValueError(f"--distributed-timeout-minutes {minutes:g} ({60 * minutes:g} s) is below --rrfp-timeout "
+                     f"{config.timeout_s:g} s plus its margin ({floor_s:g} s in all): a hung collective would end "
+                     f"the job before RRFP's diagnosis; pass --distributed-timeout-minutes {needed} or more, or a "
+                     f"smaller --rrfp-timeout")
 
 
 # Megatron-LM flags rrfp refuses (expert parallelism itself is supported: the agreement spans

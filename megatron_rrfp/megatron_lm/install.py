@@ -36,6 +36,7 @@ when the pipeline has more than one stage and defers to Megatron's own lookup ot
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -150,7 +151,11 @@ def _apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     argparse does for a bad value, but without the several-hundred-flag usage dump.
     """
     try:
-        config = validate_rrfp_arguments(args)
+        notes: list[str] = []
+        config = validate_rrfp_arguments(args, notes=notes)
+        if os.environ.get("RANK", "0") == "0":  # after every check passed: a refusal stays one line
+            for note in notes:
+                print(note, file=sys.stderr, flush=True)
         if config is not None:
             _select_rrfp(config)
             _record_training_loop(HookOptions.from_args(args))

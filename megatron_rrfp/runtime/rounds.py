@@ -28,14 +28,38 @@ ranks at the same points of the same task sequence, so this order has no cycle: 
 of "waits for its partner, which is behind X" moves along the pipeline in one direction
 and ends at a pipeline end (on the ring, stage 0 never has rounds of both its pairs in
 flight, so no chain closes the ring). The earliest unfinished operation therefore always
-runs. The host never blocks on an operation whose partner it has not seen issued: it
-*declines* tasks (``can_dispatch``) while more than ``max_tasks_ahead`` launched tasks
-are unfinished on the device, and keeps issuing rounds meanwhile. (So up to
-``max_tasks_ahead + 1`` tasks are unfinished right after a launch, and one more under TP
-agreement, whose offer for the next task is posted as the current one launches.) Only
-``flush`` and stage 0's ring rule wait for rounds, both ends of those are issued, and
-both waits are bounded by ``timeout_s`` — below NCCL's own timeout
-(``mcore.session.device_timeout``), so RRFP's diagnosis comes first.
+runs.
+
+The hosts, too, must keep issuing: a round's follower end is issued only when the
+follower's host reaches its next decision point. The executor itself never waits on the
+device while it has rounds to issue: it *declines* tasks (``can_dispatch``) while more
+than ``max_tasks_ahead`` launched tasks are unfinished on the device, and keeps issuing
+rounds meanwhile. (So up to ``max_tasks_ahead + 1`` tasks are unfinished right after a
+launch, and one more under TP agreement, whose offer for the next task is posted as the
+current one launches.) But hosts *do* block on operations whose partner may not be issued
+yet, in three places:
+
+* ``flush`` (end of the call) waits for this rank's last rounds;
+* stage 0's ring rule (``_issue`` -> ``_drain``) waits for the rounds of its other pair
+  before issuing on this one, and the follower end of those rounds may not be issued yet;
+* host syncs inside a task: Megatron's own (the MoE alltoall dispatcher's
+  ``d2h_event.synchronize()`` in every MoE forward, ``--check-for-nan-in-loss-and-grad``
+  reading each bucket inside the last B / W, ``validate_result`` in the loss), which wait
+  for every operation queued before them on this rank's device.
+
+Each such wait is for an operation of the waiting rank's *own* queue, so it returns once
+the earliest unfinished operations of that queue run, and by the order above those run as
+long as every follower host eventually reaches its next decision point. A follower host is
+either at a decision point (it issues) or in one of these waits, on its own queue; chains
+of such waits follow the follower relation, i.e. move down the pipeline (the lower stage
+leads), and end at the last stage, which follows only, or — on the ring — at stage 0,
+which by the ring rule has rounds of one pair only in flight while it drains the other,
+so the drain's chain cannot come back to it. So every host wait returns; each one is also
+bounded by ``timeout_s`` — below NCCL's own timeout (``mcore.session.device_timeout``;
+Megatron's groups: ``--distributed-timeout-minutes``, held above it by
+``megatron_lm.flags.check_distributed_timeout``), so RRFP's diagnosis comes first. What
+these waits cost is the issuing host's lead: the device runs dry behind a host sync until
+the host catches up (the emulation issues the dispatcher's sync in every MoE forward).
 
 Expert parallelism (MoE all-to-alls on NCCL, inside F and B): the expert-parallel group
 spans data-parallel replicas, i.e. ranks of *different pipelines*, so the agreement group is
@@ -58,25 +82,40 @@ ranks issue W's all-gathers at the same position of one task sequence (in the st
 order), on the compute stream like the TP collectives inside F and B.
 
 Data-parallel collectives join ranks of *other* pipelines at points of their own task
-sequences (``mcore/dp_overlap.py`` decides where they may overlap the task loop):
-* without interleaving, a stage's gradient reduction is issued inside its last backward:
-  after every round it still needs from downstream, before any round upstream needs from
-  it. By induction from the last stage up (the last stages' reductions need nothing from
-  upstream that is queued after an upstream reduction), every stage's reductions
-  complete; parameter all-gathers are issued by the optimizer step, before the call;
-* with interleaving on CUDA, chunk c's reduction and chunk c+1's all-gather fall between
-  rounds of other chunks, in both directions: outside the argument. There
-  ``overlap_grad_reduce`` (unless the backward is split: reductions then run after the
-  last W) and ``overlap_param_gather`` are refused before the iteration starts.
-* under the B/W split (``mcore/grad_sync.SplitReadiness``) a stage's bucket reductions are
-  issued at points fixed by its own task sequence, not by timing: the chunk's last B
-  (buckets B completes, in bucket order), then inside the chunk's last W weight by weight in
-  the store's fixed order, and the last W runs after the last B. Without interleaving every
-  DP replica of a stage thus issues the same reductions in the same order, each at a point
-  that is the same for all of them relative to its own tasks (what the argument asks of TP
-  collectives). With several chunks the chunks' events can interleave differently per
-  replica, so on CUDA with interleaving and DP > 1 SplitReadiness launches nothing inside
-  the loop and the reductions run after the last W (``grad_sync.finish``), outside the loop.
+sequences (``mcore/dp_overlap.py`` decides where they may overlap the task loop). Where
+megatron issues them (``mcore/grad_sync.py``): a chunk's bucket reductions in its last
+backward (``overlap_grad_reduce``; under the B/W split in the last B for what B completes
+and weight by weight inside the last W, ``SplitReadiness``); the distributed optimizer's
+parameter all-gathers (``overlap_param_gather``) in the chunk's first forward (DDP's
+forward pre-hook chain), with interleaving chunks 0 and 1 at the start of the call and
+chunk c + 1 before chunk c's first forward (``param_sync_func``). Their order on a stage
+is the same in every replica whatever the timing, by data dependency alone: chunk c's
+first forward follows chunk c - 1's, and chunk c's last backward follows chunk c + 1's
+(each backward of chunk c needs the same microbatch's backward of chunk c + 1), so a
+stage issues all-gathers 0, 1, ..., C - 1, then reductions C - 1, ..., 0. Their position
+*relative to the stage's rounds* is not:
+
+* without interleaving it is: a stage's reductions sit in its last backward, after every
+  round it still needs from downstream and before any round upstream needs from it; by
+  induction from the last stage up (the last stages' reductions need nothing from upstream
+  that is queued after an upstream reduction) every stage's reductions complete. Its
+  all-gathers sit in its first forward, before any round but the one carrying that
+  forward's input: by induction from stage 0 down they complete;
+* with interleaving chunk c's reductions and chunk c + 1's all-gathers fall between rounds
+  of other chunks, at points that differ per replica (readiness differs per pipeline). A
+  cycle is then possible: replica A's stage s issues reduction R(c) before a round j with
+  s + 1 that A's stage s + 1 issues before its R'(c - 1), while replica B's stage s + 1 issues
+  R'(c - 1) before a round i that B's stage s issued before R(c) — each collective waits
+  for its other replica, which is behind a round whose partner is behind the collective.
+  **The rule** (``dp_overlap.whole_stage_agreement``): on CUDA with interleaving, DP > 1 and
+  either flag, the agreement group spans every rank of the stage (TP x DP x CP). Every DP
+  replica of a stage then dispatches one agreed task sequence and issues its rounds at the
+  agreed points of it, so its DP collectives lie at the same positions in every replica:
+  exactly the expert-parallel case above (identify the group's ranks at one position; the
+  graph is a single pipeline's), and the argument applies unchanged, the split's in-loop
+  reductions included (``SplitReadiness(overlap_allowed=True)``). Without the rule the
+  interleaved case stays outside the argument (``overlapped_dp_communication_allowed(...,
+  whole_stage=False)``).
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated

@@ -1,8 +1,8 @@
 """The pieces ``megatron-rrfp train`` assembles, each from megatron-core's own parts.
 
-  build_model       GPTModel (local spec), HybridModel (mcore/hybrid_spec.py) or the multimodal
-                    recipe's stage, wrapped in megatron-core's DistributedDataParallel like
-                    Megatron-LM's get_model
+  build_model       GPTModel (local spec; one per model chunk when interleaving), HybridModel
+                    (mcore/hybrid_spec.py) or the multimodal recipe's stage, each wrapped in
+                    megatron-core's DistributedDataParallel like Megatron-LM's get_model
   build_optimizer   get_megatron_optimizer(OptimizerConfig) + OptimizerParamScheduler
                     (linear warmup, cosine decay to --min-lr, steps = iterations)
   build_schedule    the forward-backward function: megatron-core's own (1f1b) or
@@ -11,8 +11,9 @@
   build_recorder    the goodput hooks (--rrfp-goodput-ledger; goodput/recorder.py)
 
 The config hooks are set as Megatron-LM's training loop sets them: ``no_sync_func`` (DDP
-no_sync), ``finalize_model_grads_func`` (DDP finish + embedding/layernorm all-reduces)
-and ``grad_scale_func`` (the optimizer's loss scale).
+no_sync; a list per chunk when interleaving, with ``grad_sync_func`` / ``param_sync_func``
+for --overlap-grad-reduce / --overlap-param-gather), ``finalize_model_grads_func`` (DDP
+finish + embedding/layernorm all-reduces) and ``grad_scale_func`` (the optimizer's loss scale).
 """
 from __future__ import annotations
 
@@ -58,44 +59,67 @@ def moe_options(c) -> dict:
                              aux_loss_coeff=c.moe_aux_loss_coeff)
 
 
-def build_model(cfg, device: torch.device):
-    """This rank's stage on ``device``, wrapped in megatron-core DDP; its config hooked."""
+def build_model(cfg, device: torch.device) -> list:
+    """This rank's model chunks on ``device`` (one, or --virtual-pipeline-model-parallel-size),
+    each wrapped in megatron-core DDP as Megatron-LM's get_model wraps them (bucketing only in
+    chunk 0); the shared config hooked as Megatron-LM's training loop hooks it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     config = transformer_config(cfg)
-    if cfg.model == "multimodal":
-        recipe = multimodal
-        stage = recipe.build_multimodal_stage(config, multimodal_spec(cfg), seed=cfg.seed)
-    elif cfg.model == "hybrid":
-        stage = models.build_hybrid_stage(config, hybrid_layer_pattern=cfg.hybrid_layer_pattern,
-                                          vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
-    else:
-        stage = models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
-    stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved
-    if cfg.bf16:
-        from megatron.core.transformer.module import Float16Module
+    vpp = getattr(cfg, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None:  # Megatron-LM's defaults with interleaving (batched p2p is wrong at PP=2 anyway)
+        config.overlap_p2p_comm, config.batch_p2p_comm = True, False
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = _build_stage(cfg, config, vp_stage=None if vpp is None else vp_stage)
+        stage.to(device)  # weights are drawn on CPU (deterministic for any device), then moved
+        if cfg.bf16:
+            from megatron.core.transformer.module import Float16Module
 
-        stage = Float16Module(config, stage)  # bf16 inputs in, fp32 logits out, as Megatron-LM wraps it
-    # bf16: gradients accumulate and all-reduce in fp32 (Megatron-LM's default with --bf16)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_options(cfg)), stage)
-    config.no_sync_func = ddp.no_sync
+            stage = Float16Module(config, stage)  # bf16 inputs in, fp32 logits out, as Megatron-LM wraps it
+        # bf16: gradients accumulate and all-reduce in fp32 (Megatron-LM's default with --bf16)
+        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_options(cfg)), stage,
+                                              disable_bucketing=vp_stage > 0))
     config.finalize_model_grads_func = finalize_model_grads
-    return ddp
+    if vpp is None:  # no grad_sync_func: every pipeline rank reduces during its backward
+        config.no_sync_func = chunks[0].no_sync
+        return chunks
+    # Megatron-LM's train(): per-chunk no_sync; start_grad_sync with --overlap-grad-reduce (align_grad_reduce);
+    # start_param_sync with --overlap-param-gather (align_param_gather: on with interleaving)
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    if cfg.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+    if cfg.overlap_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    return chunks
+
+
+def _build_stage(cfg, config, *, vp_stage):
+    if cfg.model == "multimodal":
+        return multimodal.build_multimodal_stage(config, multimodal_spec(cfg), seed=cfg.seed)
+    if cfg.model == "hybrid":
+        return models.build_hybrid_stage(config, hybrid_layer_pattern=cfg.hybrid_layer_pattern,
+                                         vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
+    return models.build_gpt_stage(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed,
+                                  vp_stage=vp_stage)
 
 
 def ddp_options(cfg) -> dict:
-    """DistributedDataParallelConfig of the run: the production flags (Megatron-LM's names).
-    No grad_sync_func is set: every pipeline rank reduces during its backward."""
+    """DistributedDataParallelConfig of the run: the production flags (Megatron-LM's names)."""
+    overlap_param_gather = getattr(cfg, "overlap_param_gather", False)
     return dict(use_distributed_optimizer=getattr(cfg, "use_distributed_optimizer", False),
-                overlap_grad_reduce=getattr(cfg, "overlap_grad_reduce", False), grad_reduce_in_fp32=cfg.bf16)
+                overlap_grad_reduce=getattr(cfg, "overlap_grad_reduce", False),
+                overlap_param_gather=overlap_param_gather,
+                align_param_gather=overlap_param_gather and getattr(cfg, "virtual_pipeline_model_parallel_size", None)
+                is not None, grad_reduce_in_fp32=cfg.bf16)
 
 
 def forward_step_func(cfg) -> Callable:
     return multimodal.multimodal_forward_step if cfg.model == "multimodal" else models.gpt_forward_step
 
 
-def build_optimizer(cfg, model, timers=None):
+def build_optimizer(cfg, chunks: list, timers=None):
     """(optimizer, scheduler): megatron-core's Adam (torch's when TE/apex are absent); with
     --bf16 its mixed-precision optimizer (fp32 main weights); ``timers``: Megatron's."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -111,8 +135,8 @@ def build_optimizer(cfg, model, timers=None):
                             adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=False,
                             use_distributed_optimizer=getattr(cfg, "use_distributed_optimizer", False),
                             timers=timers),
-            [model])
-    model.config.grad_scale_func = optimizer.scale_loss
+            chunks)
+    chunks[0].config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
         lr_decay_steps=cfg.train_iters, lr_decay_style="cosine", start_wd=cfg.weight_decay,

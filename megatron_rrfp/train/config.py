@@ -42,7 +42,8 @@ class TrainConfig:
     hybrid_layer_pattern: Optional[str] = _flag(None, "--model hybrid: one symbol per layer, * attention, - MLP, with "
                                                 "| between pipeline stages (e.g. '*-*-|*-*-'); sets the layer count "
                                                 "(--num-layers is not used)", "model", type=str)
-    num_layers: int = _flag(4, "decoder layers, split evenly over pipeline stages", "model")
+    num_layers: int = _flag(4, "decoder layers, split evenly over pipeline stages (and their model chunks with "
+                            "--virtual-pipeline-model-parallel-size)", "model")
     hidden_size: int = _flag(64, "decoder width", "model")
     num_attention_heads: int = _flag(4, "attention heads (divisible by the tensor-parallel size)", "model")
     ffn_hidden_size: Optional[int] = _flag(None, "MLP width (default 4 x hidden size)", "model", type=int)
@@ -62,6 +63,11 @@ class TrainConfig:
     # parallelism and batch
     tensor_model_parallel_size: int = _flag(1, "TP degree", "parallelism")
     pipeline_model_parallel_size: int = _flag(1, "PP degree; data parallelism takes the remaining ranks", "parallelism")
+    virtual_pipeline_model_parallel_size: Optional[int] = _flag(
+        None, "interleaving: model chunks per pipeline rank (--num-layers / (PP x chunks) layers each; rank r holds "
+        "virtual stages r, r + PP, ...); Megatron-LM's --num-virtual-stages-per-pipeline-rank (also accepted) sets its "
+        "args.virtual_pipeline_model_parallel_size; default: one chunk", "parallelism", type=int,
+        aliases=("--num-virtual-stages-per-pipeline-rank",))
     micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
     global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
                                    "parallelism")
@@ -84,6 +90,10 @@ class TrainConfig:
     use_distributed_optimizer: bool = _flag(False, "Megatron-LM's --use-distributed-optimizer: optimizer state "
                                             "sharded over DP (gradients reduce-scattered)", "production parallelism",
                                             action="store_true")
+    overlap_param_gather: bool = _flag(False, "Megatron-LM's --overlap-param-gather: the distributed optimizer's "
+                                       "parameter all-gathers run in the next iteration's forwards (needs "
+                                       "--use-distributed-optimizer and --overlap-grad-reduce)",
+                                       "production parallelism", action="store_true")
     # optimisation
     train_iters: int = _flag(20, "iterations to train (the cosine decay spans them)", "optimizer")
     lr: float = _flag(1e-3, "peak learning rate (Adam)", "optimizer")
@@ -137,7 +147,9 @@ class TrainConfig:
     nproc: Optional[int] = _flag(None, "start N local ranks through torch's launcher (torch.distributed.run, "
                                  "standalone rendezvous), as torchrun --standalone --nproc-per-node N would",
                                  "launching", type=int)
-    distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives", "launching")
+    distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives (Megatron-LM's flag); with "
+                                               "--pipeline-schedule rrfp it must exceed --rrfp-timeout plus its "
+                                               "margin: the default is then raised to that", "launching")
     # schedule: options.add_rrfp_arguments
     pipeline_schedule: str = _shared("1f1b")
     rrfp_hint: str = _shared(DEFAULT_HINT)
@@ -158,6 +170,7 @@ BOUNDS: dict[str, Bound] = {
                                          "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
                                          "max_images", "save_interval")},
     "images_per_sample": bound(0, 1e3),
+    "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
     "num_experts": integer(1, 1 << 16, optional=True), "expert_model_parallel_size": _SIZE,
     "moe_router_topk": _SIZE, "moe_aux_loss_coeff": bound(0, 1e3),
     "train_iters": integer(1, 10**9),
@@ -197,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if meta.get("action") != "store_true":
             meta["type"] = BOUNDS[f.name].parse if f.name in BOUNDS else meta.get("type", type(f.default))
             meta["help"] += f" (default {f.default})" if f.default is not None else ""
-        groups[name].add_argument("--" + f.name.replace("_", "-"), default=f.default, **meta)
+        aliases = meta.pop("aliases", ())
+        groups[name].add_argument("--" + f.name.replace("_", "-"), *aliases, default=f.default, **meta)
     add_rrfp_arguments(parser)
     for action in parser._actions:  # the shared flags, as this driver uses them
         if action.dest in TRAIN_HELP:
@@ -240,6 +254,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
              f"--vocab-size {c.vocab_size} is not divisible by --tensor-model-parallel-size {tp}")
     _require(c.model == "hybrid" or c.num_layers % pp == 0,
              f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _check_interleaving(c)
     _require(c.global_batch_size % c.micro_batch_size == 0,
              f"--global-batch-size {c.global_batch_size} is not a multiple of --micro-batch-size {c.micro_batch_size}")
     _require(0 <= c.lr_warmup_iters < c.train_iters,
@@ -297,15 +312,19 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
     _require(c.global_batch_size % (c.micro_batch_size * dp) == 0,
              f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size x DP = "
              f"{c.micro_batch_size} x {dp}")
+    microbatches = c.global_batch_size // (c.micro_batch_size * dp)
+    _require(c.virtual_pipeline_model_parallel_size is None or microbatches >= pp,
+             f"--virtual-pipeline-model-parallel-size: {microbatches} micro-batches per iteration (--global-batch-size "
+             f"{c.global_batch_size} / (--micro-batch-size {c.micro_batch_size} x DP {dp})) is fewer than "
+             f"--pipeline-model-parallel-size {pp}; Megatron's interleaved schedule needs at least one per stage")
     if c.pipeline_schedule == "rrfp":  # the hint checked against the real pipeline: a strict order that can
         from ..policy.plan import Plan  # never run fails here, not after every rank waited out --rrfp-timeout
         from ..policy.topology import Topology
 
-        microbatches = c.global_batch_size // (c.micro_batch_size * dp)
         arbiter = rrfp_config_from_args(c).arbiter
         arbiter = dataclasses.replace(arbiter, buffer_limit=starting_limit(arbiter.buffer_limit))
         try:
-            Plan.build(arbiter, Topology(pp), microbatches)
+            Plan.build(arbiter, Topology(pp, c.virtual_pipeline_model_parallel_size or 1), microbatches)
         except ValueError as exc:
             raise ValueError(f"--rrfp-hint {c.rrfp_hint} with --pipeline-model-parallel-size {pp} and {microbatches} "
                              f"micro-batches per iteration: {exc}") from None
@@ -328,6 +347,24 @@ def _check_multimodal(c: TrainConfig) -> None:
     _require(spec.vision_num_attention_heads % c.tensor_model_parallel_size == 0,
              f"--vision-num-attention-heads {spec.vision_num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {c.tensor_model_parallel_size}")
+
+
+def _check_interleaving(c: TrainConfig) -> None:
+    """--virtual-pipeline-model-parallel-size and --overlap-param-gather as Megatron-LM checks them."""
+    vpp, pp = c.virtual_pipeline_model_parallel_size, c.pipeline_model_parallel_size
+    _require(not c.overlap_param_gather or (c.use_distributed_optimizer and c.overlap_grad_reduce),
+             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+    if vpp is None:
+        return
+    _require(pp >= 2, f"--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2 (got {pp})")
+    _require(c.model == "gpt", "--virtual-pipeline-model-parallel-size is offered for --model gpt only")
+    _require(c.num_layers % (pp * vpp) == 0,
+             f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size x "
+             f"--virtual-pipeline-model-parallel-size = {pp} x {vpp}")
+    # checkpoints hold one stage per rank (train/checkpoint*.py); chunk lists are not written yet
+    _require(c.save is None and c.load is None,
+             "--virtual-pipeline-model-parallel-size with --save / --load is not supported by megatron-rrfp train "
+             "yet (its checkpoints hold one model chunk per rank); drop --save/--load or the interleaving")
 
 
 def _check_moe(c: TrainConfig) -> None:

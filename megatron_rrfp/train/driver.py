@@ -64,7 +64,8 @@ _STARTED_WALL = time.time()  # ~ this process's start: the ledger counts startup
 class Run:
     """Everything built for one training run on this rank."""
 
-    model: Any
+    model: list
+    """This rank's model chunks (megatron DDP each): one, or --virtual-pipeline-model-parallel-size."""
     optimizer: Any
     scheduler: Any
     forward_backward: Any
@@ -163,6 +164,8 @@ def setup(cfg: TrainConfig):
     device = distenv.init_process_group(env, cpu=cfg.cpu, timeout_s=60 * cfg.distributed_timeout_minutes)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                                              pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                                             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                                             distributed_timeout_minutes=cfg.distributed_timeout_minutes,
                                              expert_model_parallel_size=cfg.expert_model_parallel_size)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -187,7 +190,7 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
 
     timers = Timers(cfg.timing_log_level, "minmax")
     model = builders.build_model(cfg, device)
-    model.config.timers = timers  # the schedules' forward-backward / -compute timers
+    model[0].config.timers = timers  # the schedules' forward-backward / -compute timers (config shared by chunks)
     optimizer, scheduler = builders.build_optimizer(cfg, model, timers)
     layout = {"world_size": dist.get_world_size(), **{k: getattr(cfg, k) for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "model", "num_layers", "hidden_size",
@@ -200,9 +203,9 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
         from ..policy.topology import Topology
         from ..runtime.memory import ActivationMeter, model_tensors
 
-        meter = ActivationMeter(device, persistent=model_tensors([model]))
+        meter = ActivationMeter(device, persistent=model_tensors(model))
         in_flight = peak_in_flight(megatron_1f1b_order(
-            ps.get_pipeline_model_parallel_rank(), Topology(ps.get_pipeline_model_parallel_world_size()),
+            ps.get_pipeline_model_parallel_rank(), Topology(ps.get_pipeline_model_parallel_world_size(), len(model)),
             num_microbatches))
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, forward_backward=builders.build_schedule(cfg),
                forward_step=builders.forward_step_func(cfg),
@@ -222,7 +225,7 @@ def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
     iteration = cfg.load_iteration if cfg.load_iteration is not None else checkpoint.latest_iteration(cfg.load)
     with recorder.checkpoint_load():
         resumed = _checkpoint_format(cfg, iteration).load(
-            cfg.load, iteration=cfg.load_iteration, model=run.model, optimizer=run.optimizer,
+            cfg.load, iteration=cfg.load_iteration, model=run.model[0], optimizer=run.optimizer,
             scheduler=run.scheduler, layout=run.layout)
     recorder.restart(resumed.iteration)  # completed iterations after this one were lost
     run.iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
@@ -235,13 +238,15 @@ def maybe_resume(cfg: TrainConfig, run: Run, recorder) -> None:
 def train_step(cfg: TrainConfig, run: Run) -> Step:
     """One iteration (Megatron-LM's train_step)."""
     lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this iteration
-    run.model.zero_grad_buffer()
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    data = TimedIterator(run.data.microbatches(run.consumed_samples, run.num_microbatches))
+    # one iterator per chunk, as Megatron-LM builds them: each chunk's forwards read the micro-batches in order
+    data = [TimedIterator(run.data.microbatches(run.consumed_samples, run.num_microbatches)) for _ in run.model]
     with run.meter or contextlib.nullcontext():
         losses = run.forward_backward(
-            forward_step_func=run.forward_step, data_iterator=data,
-            model=[run.model], num_microbatches=run.num_microbatches, seq_length=cfg.seq_length,
+            forward_step_func=run.forward_step, data_iterator=data if len(data) > 1 else data[0],
+            model=run.model, num_microbatches=run.num_microbatches, seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size, forward_only=False)
     if run.meter is not None:
         memory = (run.meter.peak_bytes, run.megatron_in_flight)
@@ -256,7 +261,8 @@ def train_step(cfg: TrainConfig, run: Run) -> Step:
     run.scheduler.step(increment=1)
     run.iteration += 1
     run.consumed_samples += cfg.global_batch_size
-    return Step(loss=_mean_loss(losses), grad_norm=grad_norm, lr=lr, data_wait_s=data.seconds, memory=memory)
+    return Step(loss=_mean_loss(losses), grad_norm=grad_norm, lr=lr, data_wait_s=sum(d.seconds for d in data),
+                memory=memory)
 
 
 def _mean_loss(losses: list) -> Optional[float]:
@@ -289,7 +295,9 @@ def train(cfg: TrainConfig) -> int:
         maybe_resume(cfg, run, recorder)
         _rank0_print(f"training {cfg.model}: {cfg.num_layers} layers x {cfg.hidden_size} wide, "
                      f"TP {cfg.tensor_model_parallel_size}"
-                     f" x PP {cfg.pipeline_model_parallel_size} x DP {dp}, {run.num_microbatches} micro-batches of "
+                     f" x PP {cfg.pipeline_model_parallel_size} x DP {dp}"
+                     f"{f' ({len(run.model)} model chunks per rank)' if len(run.model) > 1 else ''}, "
+                     f"{run.num_microbatches} micro-batches of "
                      f"{cfg.micro_batch_size} x {cfg.seq_length} tokens per iteration, schedule {cfg.pipeline_schedule}"
                      f", {'bf16' if cfg.bf16 else 'fp32'}, {'cpu/gloo' if cfg.cpu else 'cuda/nccl'}")
         loop(cfg, run, recorder, metrics, signals)
@@ -361,14 +369,30 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
         signals.raise_if_expired()
         stop = signals.exit_requested() and not at_end  # collective with --exit-signal-handler
         if cfg.save and (at_end or stop or (cfg.save_interval and run.iteration % cfg.save_interval == 0)):
-            with recorder.checkpoint_save(run.iteration):  # "ok" only if the save did not raise
+            with recorder.checkpoint_save(run.iteration), _params_synced(cfg, run.model):  # "ok" only if no raise
                 path = _checkpoint_format(cfg, None, saving=True).save(
-                    cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples, model=run.model,
+                    cfg.save, iteration=run.iteration, consumed_samples=run.consumed_samples, model=run.model[0],
                     optimizer=run.optimizer, scheduler=run.scheduler, layout=run.layout)
             _rank0_print(f"saved checkpoint at iteration {run.iteration} to {path}")
         if stop:
             _rank0_print(f"exiting after iteration {run.iteration} on {cfg.exit_signal} (--exit-signal-handler)")
             return
+
+
+@contextlib.contextmanager
+def _params_synced(cfg: TrainConfig, chunks: list):
+    """With --overlap-param-gather the optimizer's new weights arrive in the next forwards;
+    a save first all-gathers them (Megatron-LM's disable_forward_pre_hook), then re-arms the hooks."""
+    if not (cfg.overlap_param_gather and cfg.use_distributed_optimizer):
+        yield
+        return
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
 
 
 def _checkpoint_format(cfg: TrainConfig, iteration: Optional[int], *, saving: bool = False):

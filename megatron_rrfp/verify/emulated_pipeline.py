@@ -57,10 +57,26 @@ class EmulatedJob:
     channel_latency_ms: float = 2.0
     timeout_s: float = 30.0
     quiet_s: float = 2.0
+    dp: int = 1  # pipelines (data-parallel replicas); stage s of each shares DP groups with the others'
+    ep: int = 1  # expert-parallel replicas (divides dp): MoE all-to-alls in F and B, the dispatcher's host sync
+    overlap_grad_reduce: bool = False  # DDP bucket reductions in the chunk's last B (last W under the split)
+    overlap_param_gather: bool = False  # distributed optimizer all-gathers where megatron issues them
+    buckets: int = 2  # chunk 0's DDP buckets; later chunks have one (Megatron-LM's disable_bucketing)
+    straggler: float = 1.0  # each (pipeline, stage) runs its device work at a speed factor in [1/x, x]
 
     def describe(self) -> str:
-        return (f"PP={self.pp} TP={self.tp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
+        dp = (f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
+              + (" grad-reduce" if self.overlap_grad_reduce else "")
+              + (" param-gather" if self.overlap_param_gather else "")) if self.dp > 1 else ""
+        return (f"PP={self.pp} TP={self.tp}{dp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
                 f"limit={self.buffer_limit} {self.protocol} seed={self.seed}")
+
+    @property
+    def whole_stage(self) -> bool:
+        """The agreement spans every DP replica of a stage (mcore/dp_overlap.py's rule; on
+        CUDA where it asks for it), unless this is the ablation that drops the rule."""
+        overlap = self.overlap_grad_reduce or self.overlap_param_gather
+        return self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,30 +90,79 @@ class EmulatedOutcome:
 
 
 class EmulatedWork:
-    """``StageWork`` issuing queue ops: compute, a TP all-reduce, compute (values at completion)."""
+    """``StageWork`` issuing queue ops: compute, a TP all-reduce, compute (values at completion);
+    with EP the MoE layer's all-to-alls (and in F the dispatcher's host sync) in the middle;
+    with DP the DDP reductions and all-gathers where megatron issues them (``grad_sync.py``):
+
+    * ``overlap_param_gather``: interleaved (align_param_gather) chunks 0 and 1 at the start
+      of the call, chunk c + 1 before chunk c's first forward; one chunk: its buckets in its
+      first forward (DDP's forward pre-hook chain);
+    * ``overlap_grad_reduce``: a chunk's buckets in its last B (last W under the split: every
+      bucket holds a W-computed weight), in bucket order; without it (or at the end) after the loop.
+    """
 
     def __init__(self, job: EmulatedJob, device: EmulatedDevice, tp_ops: TPGroupOps, topology: Topology,
-                 stage: int, finals: dict, rng: random.Random) -> None:
+                 stage: int, finals: dict, rng: random.Random, *, dp_ops: TPGroupOps | None = None,
+                 ep_ops: TPGroupOps | None = None, split: bool = False, speed: float = 1.0) -> None:
         self.job, self.device, self.tp_ops, self.topology, self.stage = job, device, tp_ops, topology, stage
         self.finals, self.rng = finals, rng
+        self.dp_ops, self.ep_ops, self.split, self.speed = dp_ops, ep_ops, split, speed  # speed: a time factor
         self.saved: dict = {}
+        self.start_iteration()
 
-    def _work(self, factor: float, run) -> None:
+    def start_iteration(self) -> None:
+        """Megatron's per-call state (GradSyncController.start): counters, first all-gathers."""
+        chunks = self.topology.num_chunks
+        self._f_seen, self._b_left = set(), [self.job.microbatches] * chunks
+        self._w_left = [self.job.microbatches] * chunks
+        self._reduced: set = set()
+        if self.dp_ops is not None and self.job.overlap_param_gather and chunks > 1:
+            for chunk in range(min(2, chunks)):
+                self._dp("gather", chunk)
+
+    def finish_iteration(self) -> None:
+        """After the loop: the reductions not launched inside it (grad_sync.finish), in chunk order."""
+        for chunk in range(self.topology.num_chunks):
+            if self.dp_ops is not None and chunk not in self._reduced:
+                self._dp("reduce", chunk)
+
+    def _dp(self, what: str, chunk: int) -> None:
+        if what == "reduce":
+            self._reduced.add(chunk)
+        for bucket in range(self.job.buckets if chunk == 0 else 1):
+            self.dp_ops.collective(self.device.rank, (what, chunk, bucket))
+
+    def _work(self, factor: float, run, *, moe: str = "") -> None:
         time.sleep(self.rng.random() * self.job.host_jitter_ms / 1000)  # the host's own pace varies
         lo, hi = self.job.task_ms
-        duration = factor * self.rng.uniform(lo, hi) / 1000
+        duration = factor * self.speed * self.rng.uniform(lo, hi) / 1000
         self.device.compute(duration / 2, run)
         self.tp_ops.all_reduce(self.device.rank)
+        if self.ep_ops is not None and moe:
+            rank = self.device.rank
+            if moe == "F":  # tokens per expert over EP, copied to the host: d2h_event.synchronize()
+                self.ep_ops.collective(rank, ("counts",))
+                if not self.device.mark().synchronize(self.job.timeout_s):
+                    raise TimeoutError(f"rank {rank}: the MoE dispatcher's host sync timed out")
+            self.ep_ops.collective(rank, ("all-to-all", moe, 0))
+            self.device.compute(duration / 4)
+            self.ep_ops.collective(rank, ("all-to-all", moe, 1))
         self.device.compute(duration / 2)
 
     def forward(self, task: Task, input_tensor, send) -> None:
         out = self.device.empty((2,), torch.float32)
         first = self.topology.is_first(self.stage, task.chunk)
+        if self.dp_ops is not None and self.job.overlap_param_gather and task.chunk not in self._f_seen:
+            self._f_seen.add(task.chunk)
+            if self.topology.num_chunks == 1:
+                self._dp("gather", 0)
+            elif 1 < task.chunk + 1 < self.topology.num_chunks:
+                self._dp("gather", task.chunk + 1)
 
         def run(x=input_tensor, mb=task.microbatch):
             out.copy_((torch.full((2,), float(mb)) if first else x) + 1)
 
-        self._work(1.0, run)
+        self._work(1.0, run, moe="F")
         self.saved[(task.microbatch, task.chunk)] = out
         if send is not None:
             send(out)
@@ -113,12 +178,21 @@ class EmulatedWork:
             if first:
                 self.finals[mb] = float(grad[0])
 
-        self._work(2.0, run)
+        self._work(2.0, run, moe="B")
+        self._b_left[task.chunk] -= 1
+        if self._reduces_now() and not self.split and self._b_left[task.chunk] == 0:
+            self._dp("reduce", task.chunk)
         if send is not None:
             send(grad)
 
     def weight(self, task: Task) -> None:
         self._work(1.0, None)
+        self._w_left[task.chunk] -= 1
+        if self._reduces_now() and self._w_left[task.chunk] == 0:
+            self._dp("reduce", task.chunk)
+
+    def _reduces_now(self) -> bool:
+        return self.dp_ops is not None and self.job.overlap_grad_reduce
 
 
 class _RoundsWithoutRingRule(RoundTransport):
@@ -133,7 +207,9 @@ class _RoundsUnagreed(RoundTransport):
 
 
 _ROUNDS = {"rounds": RoundTransport, "rounds-without-ring-rule": _RoundsWithoutRingRule,
-           "rounds-unagreed": _RoundsUnagreed}
+           "rounds-unagreed": _RoundsUnagreed, "rounds-dp-unagreed": RoundTransport}
+"""``rounds-dp-unagreed``: the shipped transport, but the agreement spans TP (and EP) only even
+where interleaved DP overlap needs every replica of the stage in it (mcore/dp_overlap.py)."""
 PROTOCOLS = (*_ROUNDS, "early-receive")
 
 
@@ -210,15 +286,26 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
     """Run ``job`` to the end or to a device deadlock; never hangs (everything is bounded)."""
     if job.protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {job.protocol!r}")
+    if job.dp % job.ep:
+        raise ValueError(f"ep={job.ep} must divide dp={job.dp}")
     topology = Topology(job.pp, job.chunks)
-    ranks = list(range(job.pp * job.tp))
-    rank_of = lambda stage, t: stage * job.tp + t  # noqa: E731
+    per_replica = job.pp * job.tp
+    ranks = list(range(job.dp * per_replica))
+    rank_of = lambda stage, t, r=0: r * per_replica + stage * job.tp + t  # noqa: E731
     fabric = QueueFabric(ranks, quiet_s=job.quiet_s)
     hub = ChannelHub(max_latency_s=job.channel_latency_ms / 1000, seed=job.seed)
-    groups = {s: ThreadCollective.Group(job.tp) for s in range(job.pp)}
-    tp_ops = {s: TPGroupOps(fabric, f"tp{s}", [rank_of(s, t) for t in range(job.tp)]) for s in range(job.pp)}
+    # the agreement: a stage's TP ranks, joined with its EP replicas, or every replica (the DP rule)
+    span = job.dp if job.whole_stage else job.ep
+    groups = {(s, g): ThreadCollective.Group(job.tp * span) for s in range(job.pp) for g in range(job.dp // span)}
+    tp_ops = {(s, r): TPGroupOps(fabric, f"tp{s}.{r}", [rank_of(s, t, r) for t in range(job.tp)])
+              for s in range(job.pp) for r in range(job.dp)}
+    dp_ops = {(s, t): TPGroupOps(fabric, f"dp{s}.{t}", [rank_of(s, t, r) for r in range(job.dp)])
+              for s in range(job.pp) for t in range(job.tp)} if job.dp > 1 else {}
+    ep_ops = {(s, t, g): TPGroupOps(fabric, f"ep{s}.{t}.{g}", [rank_of(s, t, r) for r in range(g * job.ep,
+                                                                                            (g + 1) * job.ep)])
+              for s in range(job.pp) for t in range(job.tp) for g in range(job.dp // job.ep)} if job.ep > 1 else {}
     plan = Plan.build(ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit), topology, job.microbatches)
-    finals: dict = {}
+    finals: dict = {r: {} for r in range(job.dp)}
     orders: dict = {r: [] for r in ranks}
     errors: dict = {}
     inboxes = {r: Inbox() for r in ranks}
@@ -227,9 +314,9 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
     for group in groups.values():
         fabric.on_abort.append(group.abort)
 
-    def rank_main(stage: int, t: int) -> None:
-        rank = rank_of(stage, t)
-        pipeline = [rank_of(s, t) for s in range(job.pp)]
+    def rank_main(stage: int, t: int, replica: int) -> None:
+        rank = rank_of(stage, t, replica)
+        pipeline = [rank_of(s, t, replica) for s in range(job.pp)]
         neighbours = sorted({pipeline[(stage + d) % job.pp] for d in (-1, 1)
                              if job.chunks > 1 or 0 <= stage + d < job.pp} - {rank})
         inbox, device = inboxes[rank], EmulatedDevice(fabric, rank)
@@ -242,26 +329,33 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
             transport = EarlyReceiveTransport(rank=rank, fabric=fabric, neighbours=neighbours, on_message=inbox.put,
                                               on_error=inbox.fail)
         rng = random.Random(job.seed * 7919 + rank)
-        work = EmulatedWork(job, device, tp_ops[stage], topology, stage, finals if t == 0 else {}, rng)
-        collective = ThreadCollective(groups[stage], t)  # one sequence of exchanges for the whole run
+        pace = random.Random(job.seed * 7919 + 104729 * replica + stage).uniform(1 / job.straggler, job.straggler)
+        split = plan.arbiter(stage).split_backward
+        work = EmulatedWork(job, device, tp_ops[(stage, replica)], topology, stage,
+                            finals[replica] if t == 0 else {}, rng, dp_ops=dp_ops.get((stage, t)),
+                            ep_ops=ep_ops.get((stage, t, replica // job.ep)), split=split, speed=pace)
+        collective = ThreadCollective(groups[(stage, replica // span)], (replica % span) * job.tp + t)
         try:
-            for _ in range(job.iterations):
+            for iteration in range(job.iterations):
+                if iteration:
+                    work.start_iteration()
                 agreement = None
-                if job.tp > 1:
+                if job.tp * span > 1:
                     agreement = TPAgreement(collective, num_microbatches=job.microbatches,
-                                            num_chunks=job.chunks, split_backward=plan.arbiter(stage).split_backward,
-                                            forward_only=False)
+                                            num_chunks=job.chunks, split_backward=split, forward_only=False)
                 report = PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,
                                            stage_ranks=pipeline, transport=transport, inbox=inbox,
                                            agreement=agreement, timeout_s=job.timeout_s, forward_only=False).run()
+                work.finish_iteration()
                 orders[rank].append(report.order_string)
                 device.mark().synchronize(job.timeout_s)  # the iteration's work is done on the device
         except BaseException as exc:  # noqa: BLE001 - reported in the outcome
             errors[rank] = exc
 
     start = time.monotonic()
-    threads = [threading.Thread(target=rank_main, args=(s, t), daemon=True, name=f"emulated-rank{rank_of(s, t)}")
-               for s in range(job.pp) for t in range(job.tp)]
+    threads = [threading.Thread(target=rank_main, args=(s, t, r), daemon=True,
+                                name=f"emulated-rank{rank_of(s, t, r)}")
+               for r in range(job.dp) for s in range(job.pp) for t in range(job.tp)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -272,30 +366,34 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
     deadlock = fabric.error is not None
     hung = [th.name for th in threads if th.is_alive()]
     v = topology.num_virtual_stages
-    wrong = {mb: got for mb, got in finals.items() if got != 10 * (mb + v) + v - 1}
     problems = []
     if hung:
         problems.append(f"threads still running: {hung}")
     if errors:
         first = min(errors)
         problems.append(f"rank {first}: {type(errors[first]).__name__}: {errors[first]}")
-    if wrong or (not errors and len(finals) != job.microbatches):
-        problems.append(f"wrong gradients reached stage 0: {wrong or finals}")
-    for s in range(job.pp):  # every TP rank of a stage ran the same order
-        seen = {tuple(orders[rank_of(s, t)]) for t in range(job.tp)}
-        if not errors and len(seen) != 1:
-            problems.append(f"stage {s}: TP ranks ran different orders {seen}")
+    for replica, got in finals.items():
+        wrong = {mb: value for mb, value in got.items() if value != 10 * (mb + v) + v - 1}
+        if wrong or (not errors and len(got) != job.microbatches):
+            problems.append(f"wrong gradients reached stage 0 of pipeline {replica}: {wrong or got}")
+    for s in range(job.pp):  # every TP rank of a stage ran the same order (every replica too, under the rule)
+        for g in range(job.dp // span):
+            seen = {tuple(orders[rank_of(s, t, r)]) for t in range(job.tp) for r in range(g * span, (g + 1) * span)}
+            if not errors and len(seen) != 1:
+                problems.append(f"stage {s}: agreeing ranks ran different orders {seen}")
     if deadlock:  # name a rank that failed on its own (not through the abort) first: that is the cause
         own = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items())
-               if "device deadlock" not in str(e)]
+               if "device deadlock" not in str(e) and "mismatched collective" not in str(e)]
         problems = own[:1] + [str(fabric.error)]
     return EmulatedOutcome(job=job, completed=not problems, deadlock=deadlock and len(problems) == 1,
                            error="; ".join(problems), orders=orders, wall_s=wall)
 
 
-def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), chunks=(1, 2),
-                quiet_s: float = 2.0) -> list[EmulatedJob]:
-    """``count`` random layouts and policies (PP, chunks, hint, buffer limit, delays)."""
+def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), chunks=(1, 2, 3, 4),
+                quiet_s: float = 2.0, production: float = 0.5) -> list[EmulatedJob]:
+    """``count`` random layouts and policies (PP, chunks, hint, buffer limit, delays); a
+    ``production`` share of them are whole production jobs: two pipelines (DP=2) with DDP's
+    overlapped reductions and all-gathers, or MoE with EP=2 (all-to-alls in F and B)."""
     rng = random.Random(seed)
     choices = chunks
     jobs = []
@@ -306,13 +404,41 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
         microbatches = rng.choice((4, 6)) if pp <= 4 else 4
         if chunks > 1:  # Megatron's interleaved 1F1B wants M a multiple of PP
             microbatches = pp * (rng.choice((1, 2)) if pp <= 4 else 1)
+        dp = dict(dp=1)
+        if rng.random() < production:  # two pipelines: at most 4 stages x 4 chunks (threads: 2 x PP x TP)
+            pp, chunks = min(pp, 4), chunks
+            microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6))
+            grad, param = rng.choice(((True, True), (True, False), (False, True), (True, True)))
+            dp = dict(dp=2, ep=rng.choice((1, 1, 2)), overlap_grad_reduce=grad, overlap_param_gather=param,
+                      buckets=rng.choice((1, 2, 3)))
         jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches,
                                 hint=hint, buffer_limit=rng.choice((2, 4, 32)), protocol=protocol,
                                 seed=seed * 1000 + i, task_ms=(0.2, rng.choice((1.0, 3.0))),
                                 host_jitter_ms=rng.choice((0.2, 1.0, 3.0)),
-                                channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s))
+                                channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s, **dp,
+                                straggler=rng.choice((1.0, 3.0)) if dp["dp"] > 1 else 1.0))
     return jobs
 
 
-__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "random_jobs",
+def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
+    """Interleaved DP=2 jobs made to separate the pipelines: PP 3-4, 2-3 chunks, overlapped
+    reductions (all-gathers in half), stages at paces up to 3-6x apart, slow host channels —
+    where dropping the whole-stage rule (``rounds-dp-unagreed``) can close a cycle through
+    both pipelines (``runtime/rounds.py``: R(c) before round j on one, after round i on the other)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        pp = rng.choice((3, 4))
+        jobs.append(EmulatedJob(pp=pp, chunks=rng.choice((2, 3)), microbatches=pp * rng.choice((1, 2)), dp=2,
+                                hint=rng.choice(("bf", "bfw")), buffer_limit=rng.choice((2, 4, 32)),
+                                overlap_grad_reduce=True, overlap_param_gather=rng.random() < 0.5,
+                                buckets=rng.choice((1, 3)), straggler=rng.choice((3.0, 6.0)),
+                                host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
+                                task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
+                                quiet_s=quiet_s, timeout_s=20.0))
+    return jobs
+
+
+__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "dp_stress_jobs",
+           "random_jobs",
            "run_emulated"]

@@ -35,6 +35,11 @@ class DeviceDeadlock(RuntimeError):
     """Every queue's head waits for a partner that cannot reach its own head."""
 
 
+class MismatchedCollective(DeviceDeadlock):
+    """The members of a group's n-th collective issued different operations (NCCL matches
+    collectives by issue order only: a different size hangs, the same size corrupts)."""
+
+
 @dataclass(eq=False)
 class Op:
     rank: int
@@ -44,6 +49,7 @@ class Op:
     run: Optional[Callable[[], None]] = None  # at completion, on the device thread
     tensors: list = field(default_factory=list)  # round: sends; send: [tensor]; recv: [buffer]
     buffers: list = field(default_factory=list)  # round: receive buffers
+    tag: tuple = ()  # collective: what was meant (e.g. ("reduce", chunk, bucket)); members must agree
     started: Optional[float] = None
     finished: bool = False
 
@@ -109,7 +115,11 @@ class QueueFabric:
         with self.cv:
             while not self._stop and self.error is None:
                 now = time.monotonic()
-                progressed, next_due = self._step(now)
+                try:
+                    progressed, next_due = self._step(now)
+                except MismatchedCollective as exc:
+                    self._abort(now, exc)
+                    return
                 if progressed:
                     self._last_activity = now
                     self.cv.notify_all()
@@ -147,6 +157,9 @@ class QueueFabric:
         for ops in by_key.values():
             first = ops[0]
             if first.kind == "collective" and len(ops) == len(self.members[first.key[0]]):
+                if len({op.tag for op in ops}) > 1:
+                    raise MismatchedCollective(f"mismatched collective {first.key}: " + ", ".join(
+                        f"rank {op.rank} issued {op.tag}" for op in ops))
                 done += ops
             elif first.kind == "round" and len(ops) == 2:
                 a, b = ops
@@ -177,11 +190,11 @@ class QueueFabric:
     def _all_blocked(self) -> bool:
         return all(q[0].kind in ("collective", "round", "send", "recv") for q in self.queues.values() if q)
 
-    def _abort(self, now: float) -> None:
+    def _abort(self, now: float, error: Optional[DeviceDeadlock] = None) -> None:
         heads = "; ".join(f"rank {r}: {q[0].describe()} (+{len(q) - 1} queued)"
                           for r, q in sorted(self.queues.items()) if q)
-        self.error = DeviceDeadlock(f"device deadlock: no progress for {now - self._last_activity:.1f}s, every "
-                                    f"head waits for a partner: {heads}")
+        self.error = error or DeviceDeadlock(f"device deadlock: no progress for {now - self._last_activity:.1f}s, "
+                                             f"every head waits for a partner: {heads}")
         self.cv.notify_all()
         for abort in list(self.on_abort):
             threading.Thread(target=abort, args=(self.error,), daemon=True).start()
@@ -211,17 +224,20 @@ class EmulatedDevice:
 
 
 class TPGroupOps:
-    """The TP collectives a stage issues inside its tasks (each one a queue op)."""
+    """The collectives of one group (TP inside tasks; DP reductions / all-gathers; EP
+    all-to-alls), each one a queue op; the n-th of every member must carry the same tag."""
 
     def __init__(self, fabric: QueueFabric, name, ranks) -> None:
         self.fabric, self.name = fabric, name
         fabric.members[name] = list(ranks)
         self._seq = {r: 0 for r in ranks}
 
-    def all_reduce(self, rank: int) -> OpCompletion:
+    def all_reduce(self, rank: int, tag: tuple = ()) -> OpCompletion:
         seq = self._seq[rank]
         self._seq[rank] += 1
-        return self.fabric.issue(Op(rank, "collective", (self.name, seq)))
+        return self.fabric.issue(Op(rank, "collective", (self.name, seq), tag=tag))
+
+    collective = all_reduce  # all-gathers, reduce-scatters and all-to-alls meet the same way
 
 
 class ThreadCollective:
@@ -338,5 +354,5 @@ class EmulatedChannel:
         pass
 
 
-__all__ = ["ChannelHub", "DeviceDeadlock", "EmulatedChannel", "EmulatedDevice", "Op", "OpCompletion", "QueueFabric",
-           "TPGroupOps", "ThreadCollective"]
+__all__ = ["ChannelHub", "DeviceDeadlock", "EmulatedChannel", "EmulatedDevice", "MismatchedCollective", "Op",
+           "OpCompletion", "QueueFabric", "TPGroupOps", "ThreadCollective"]

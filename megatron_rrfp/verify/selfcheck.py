@@ -55,10 +55,13 @@ from .selfcheck_te import TE_STEPS
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
 STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
-                   "te-bfw", "te-bias", "te-first-microbatch", "te-fp8", "te-grouped")
+                   "te-bfw", "te-bias", "te-first-microbatch", "te-fp8", "te-grouped",
+                   *("production-" + name for name in ("sp-tp2-pp2", "dp-overlap-pp2-chunks2",
+                                                     "moe-ep2-pp2", "bf16-dp-overlap-pp2-chunks2")))
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
-               "equivalence-pp4-chunks2-dp2": 8}
+               "equivalence-pp4-chunks2-dp2": 8, "production-sp-tp2-pp2": 4, "production-dp-overlap-pp2-chunks2": 4,
+               "production-moe-ep2-pp2": 4, "production-bf16-dp-overlap-pp2-chunks2": 4}
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
@@ -293,6 +296,28 @@ def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
     return Result("equivalence-pp4-chunks2-dp2", *compare_with_megatron_on_gpu(ctx, pp=4, chunks=2))
 
 
+# Issue 29: Megatron-LM's production flags, each against Megatron's own schedule on the same GPUs
+# (DP = the rest of the world: 2 at 4 GPUs, 4 at 8). Cost: ~3 iterations x 8 micro-batches of a
+# 2-4 layer model plus one NCCL layout each; like the equivalence steps above, seconds apiece.
+PRODUCTION_STEPS = {
+    "production-sp-tp2-pp2": dict(tp=2, pp=2, sequence_parallel=True),  # W re-gathers its input over TP
+    # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved:
+    # the whole-stage agreement (mcore/dp_overlap.py)
+    "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
+    "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
+    "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),
+}
+
+
+def _production_step(name: str):
+    def step(ctx) -> Result:
+        from .selfcheck_gpt import compare_with_megatron_on_gpu
+
+        return Result(name, *compare_with_megatron_on_gpu(ctx, **PRODUCTION_STEPS[name]))
+
+    return step
+
+
 def _ensure_model_parallel() -> None:
     """megatron-core DDP needs parallel_state: a 1-rank group when the self-check runs alone."""
     import torch.distributed as dist
@@ -309,6 +334,7 @@ STEP_FUNCTIONS: dict[str, Callable] = {
     "stage-memory": step_stage_memory, "one-context": step_one_context, "nccl-stress": step_nccl_stress,
     "megatron-equivalence": step_megatron_equivalence, "equivalence-tp2-pp2": step_equivalence_tp2_pp2,
     "equivalence-pp4-chunks2-dp2": step_equivalence_pp4_chunks2_dp2, **TE_STEPS,
+    **{name: _production_step(name) for name in PRODUCTION_STEPS},
 }
 
 

@@ -79,7 +79,13 @@ rrfp_setup() {
         GPUS_PER_NODE=${GPUS_PER_NODE##*:}   # "h100:8" -> 8
         # NCCL / InfiniBand: sane defaults; uncomment what your fabric needs.
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # fail fast, not hang
+        # 2 = CleanUpOnly (torch's ProcessGroupNCCL.hpp): on a NCCL error or a timed-out collective the
+        # watchdog aborts the communicators *without* tearing the process down, so a blocked rank gets an
+        # exception and fails through RRFP's own path (state dump, its pair communicators aborted, the
+        # ledger's disruption), then torchrun restarts it. 1 (TearDown, torchrun's default) would SIGABRT
+        # the rank as soon as RRFP aborts its own communicators, before the diagnosis; 0 would leave a
+        # hung Megatron collective hanging. docs/transport-and-agreement.md#timeout-order.
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
         export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}          # Megatron's kernel ordering
         # export NCCL_SOCKET_IFNAME=ib0          # bootstrap interface (default: NCCL picks)
         # export NCCL_IB_HCA=mlx5_0,mlx5_1       # InfiniBand HCAs to use (default: all)
