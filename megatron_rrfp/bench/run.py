@@ -495,8 +495,11 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
             "host_cost_s_per_task": host_costs[key],
             "simulated_speedup_with_host_cost": sim_host_base / statistics.median(sims_host[key])
             if sim_host_base and key in sims_host else None,
+            "simulated_iteration_time_s_with_host_cost": statistics.median(sims_host[key])
+            if key in sims_host else None,
         })
-        runs[-1]["gap_explanation"] = explain_gap(runs[-1])
+    for run in runs:
+        run["gap_explanation"] = explain_gap(run, runs[0])
     report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
               "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
     if len(limit_list(config.buffer_limit)) > 1:
