@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     f0s = [float(x) for x in args.f0_ms.split(",") if x.strip()]
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
+    failed: list[str] = []
     for f0 in f0s:
         for name, level in PRESETS[args.preset]:
             if only and name not in only:
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             with measuring(args.lock):
                 before = os.getloadavg()[0]
                 started = time.time()
-                report = run_bench(config, progress=False)
+                try:
+                    report = run_bench(config, progress=False)
+                except Exception as exc:  # one failed configuration does not cost the rest of the table
+                    failed.append(f"{name} ({level}, f0 {f0:g} ms): {type(exc).__name__}: {str(exc)[:2000]}")
+                    print(f"FAILED {failed[-1]}", flush=True)
+                    continue
                 load = (before, os.getloadavg()[0])
             rows.append(row(name, report, load))
             rows[-1]["seconds"] = time.time() - started
@@ -146,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "suite.md"), "w", encoding="utf-8") as handle:
         handle.write(table + "\n")
     print(table)
-    return 0
+    for line in failed:
+        print(f"FAILED {line}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
