@@ -68,3 +68,39 @@ def test_interleaved_runs_alternate_the_schedules():
 
     assert [(r, i) for r, i in run_order(["a", "b"], 2, True)] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert [(r, i) for r, i in run_order(["a", "b"], 2, False)] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+
+
+def test_summary_with_task_records_feeds_the_suite_row():
+    """summarize() on per-rank records as bench_rank writes them: the host-cost simulation
+    runs, the ratios are per rank against Megatron, and the suite's row and table carry them."""
+    from megatron_rrfp.bench.run import BenchConfig, summarize
+    from megatron_rrfp.bench.suite import markdown, row
+
+    config = BenchConfig(pipeline_size=2, num_microbatches=4, schedules=("megatron-1f1b", "rrfp-default"),
+                         iterations=1, warmup=0, variability="j0", f0_ms=10.0)
+    executor = {"compute_s": 0.2, "wait_s": 0.02, "backpressure_s": 0.0, "agree_s": 0.0, "flush_s": 0.0,
+                "wall_s": 0.23}
+
+    def rank(r: int) -> dict:
+        common = {"spans": [], "activation_measure": "saved-tensors", "buffer_limit": None, "peak_in_flight": 2}
+        megatron = _record(F=(4, 0.04, 0.0, 0.01, 0.01), B=(4, 0.08, 0.0, 0.02, 0.02))
+        rrfp = _record(executor, F=(4, 0.04, 0.0, 0.012, 0.011), B=(4, 0.04, 0.0, 0.012, 0.011),
+                       W=(4, 0.04, 0.0, 0.012, 0.011))
+        megatron["busy_s"] = 0.15
+        return {"rank": r, "stage": r, "world_size": 2, "runs": {
+            "megatron-1f1b": {**common, "walls": [0.25], "busy": [0.3], "breakdown": None, "tasks": [megatron],
+                              "peak_activation_bytes": 1_000_000},
+            "rrfp-default": {**common, "walls": [0.23], "busy": [0.4], "breakdown": executor, "tasks": [rrfp],
+                             "peak_activation_bytes": 1_010_000, "buffer_limit": 2}}}
+
+    report = summarize(config, [rank(0), rank(1)])
+    rrfp = report["runs"][1]
+    b = rrfp["task_breakdown"]
+    assert b["task_time_vs_megatron"]["median"] == pytest.approx(0.2 / 0.15)
+    assert b["task_cpu_vs_megatron"]["median"] == pytest.approx((0.12 + 0.033) / (0.12 + 0.03))
+    # the host cost lengthens both predictions; Megatron's per-task cost is larger per F
+    assert rrfp["simulated_iteration_time_s_with_host_cost"] > rrfp["simulated_iteration_time_s"]
+    assert rrfp["host_cost_s_per_task"][0]["F"] == pytest.approx(0.012 / 4 + (0.2 - 0.12 - 0.036) / 12
+                                                                 + (0.23 - 0.2 - 0.02) / 12)
+    line = markdown([row("dense", report, (1.0, 2.0))])
+    assert "1.333; 1.020" in line and "1.01x" in line and rrfp["gap_explanation"] in line
