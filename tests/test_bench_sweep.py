@@ -30,7 +30,7 @@ def test_bench_sweeps_buffer_limits_end_to_end(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     result = subprocess.run([sys.executable, "-m", "megatron_rrfp", "bench", "--pp", "2", "-m", "4", "--iterations",
                              "1", "--warmup", "0", "--f0-ms", "2", "--buffer-limit", ",".join(LIMITS), "--schedules",
-                             ",".join(SCHEDULES), "--out", str(out), "--timeout", "240"],
+                             ",".join(SCHEDULES), "--out", str(out), "--timeout", "240", "--interleave"],
                             capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     table, err = result.stdout, result.stderr
@@ -58,6 +58,16 @@ def test_bench_sweeps_buffer_limits_end_to_end(tmp_path):
         if run["buffer_limit_spec"] == "1x":  # equal memory: never more forwards held than Megatron
             assert run["peak_in_flight"]["max_over_ranks"] <= megatron_in_flight, run
         assert run["peak_activation_bytes"]["max_over_ranks"] > 0, run
+
+    # where the time goes: every schedule sleeps the same draw (a split B and its W share B's time)
+    devices = [run["task_breakdown"]["device_s"]["median"] for run in runs]
+    assert max(devices) == pytest.approx(min(devices), rel=1e-9), devices
+    for run in runs:
+        b = run["task_breakdown"]
+        assert b["task_s"]["min"] >= b["device_s"]["min"] > 0 and b["host_cpu_s"]["median"] > 0, b
+        assert b["task_time_vs_megatron"]["median"] > 0 and run["simulated_speedup_with_host_cost"] > 0, run
+        assert run["gap_explanation"]
+    assert "where the time goes" in table
 
     tradeoff = report["tradeoff"]
     assert set(tradeoff["curve"]) == set(SCHEDULES)

@@ -40,6 +40,8 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--iterations", type=bounds["--iterations"], default=5,
                        help="measured iterations (after warm-up)")
         p.add_argument("--warmup", type=bounds["--warmup"], default=1)
+        p.add_argument("--interleave", action="store_true",
+                       help="alternate the schedules iteration by iteration (robust ratios on a loaded host)")
         p.add_argument("--seed", type=bounds["--seed"], default=0)
         p.add_argument("--buffer-limit", type=bounds["--buffer-limit"], default=DEFAULT_BUFFER_LIMIT,
                        help="RRFP's activations in flight per stage: an integer, a multiple of Megatron's "
@@ -76,7 +78,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
         variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**workload_from_args(args)),
-        iterations=args.iterations, warmup=args.warmup,
+        iterations=args.iterations, warmup=args.warmup, interleave=args.interleave,
         seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
         goodput_ledger=args.goodput_ledger, sequence_parallel=args.sequence_parallel,
         overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer)

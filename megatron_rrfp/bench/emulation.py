@@ -46,6 +46,30 @@ class SendTimeTable:
             raise ValueError(f"send-time table {path} has shape {self.table.shape}, expected {shape}")
 
 
+class TaskTally:
+    """Where one rank's task time went in one iteration, per kind (F / B / W), as the hook
+    around megatron-core's task functions sees it — the same for Megatron's schedules and
+    RRFP's executor: ``device`` the modeled (emulated) device time, ``overrun`` how much longer
+    the sleep took than modeled (the OS waking the rank late: host noise), ``host`` the wall
+    time of the real computation (megatron-core's code, incl. its TP / EP collectives) and
+    ``host_cpu`` the CPU time this thread spent in it (what preemption by other processes
+    does not inflate)."""
+
+    FIELDS = ("count", "device", "overrun", "host", "host_cpu")
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, list[float]] = {}
+
+    def add(self, kind: Kind, device: float, overrun: float, host: float, host_cpu: float) -> None:
+        row = self.by_kind.setdefault(kind.value, [0.0] * len(self.FIELDS))
+        for i, value in enumerate((1.0, device, overrun, host, host_cpu)):
+            row[i] += value
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """{kind: {count, device, overrun, host, host_cpu}} (seconds; count of tasks)."""
+        return {kind: dict(zip(self.FIELDS, row)) for kind, row in sorted(self.by_kind.items())}
+
+
 class DeviceTimeEmulator:
     """Install once per process; call ``begin_iteration`` with each iteration's draw."""
 
@@ -60,6 +84,7 @@ class DeviceTimeEmulator:
             [t for t in order if t.kind is Kind.B and topology.downstream(stage, t.chunk) is not None])
         self.realization: Optional[Realization] = None
         self.spans: list[Span] = []
+        self.tally = TaskTally()
         self.rank = 0
         self._t0 = 0.0
         self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
@@ -103,9 +128,12 @@ class DeviceTimeEmulator:
     def _run_task(self, task: Task, run):
         """Sleep the task's modeled device time, compute it, note when its output left."""
         start = time.time()
-        self._sleep(task)
+        modeled = self._sleep(task)
+        slept = time.time()
+        cpu = time.thread_time()
         result = run()
         end = time.time()
+        self.tally.add(task.kind, modeled, slept - start - modeled, end - slept, time.thread_time() - cpu)
         if task.kind is not Kind.W:
             self._sent(_F if task.kind is Kind.F else _B, task, end)
         self._span(task, start, end)
@@ -114,6 +142,7 @@ class DeviceTimeEmulator:
     def begin_iteration(self, realization: Realization) -> None:
         self.realization = realization
         self.spans = []
+        self.tally = TaskTally()
         self._received = [0, 0]
         self._link_clear = [0.0, 0.0]
         self._t0 = time.time()
@@ -128,9 +157,13 @@ class DeviceTimeEmulator:
 
     # -- internals -------------------------------------------------------------------
 
-    def _sleep(self, task: Task) -> None:
-        if self.realization is not None:
-            time.sleep(self.realization.duration(self.stage, task, self.split_backward))
+    def _sleep(self, task: Task) -> float:
+        """Sleep the modeled device time of ``task``; returns it (0 without a draw)."""
+        if self.realization is None:
+            return 0.0
+        seconds = self.realization.duration(self.stage, task, self.split_backward)
+        time.sleep(seconds)
+        return seconds
 
     def _sent(self, direction: int, task: Task, when: float) -> None:
         if self.table is not None:

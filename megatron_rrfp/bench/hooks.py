@@ -5,8 +5,9 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
 * ``wrap_tasks(on_task)`` — every F / B / W that megatron-core's own schedules *or* RRFP
   run goes through ``on_task(task, run)``: megatron-core's ``schedules.forward_step`` /
   ``backward_step`` (module attributes, looked up at call time by its schedules and by
-  ``mcore.compat``) and the W store of a split backward. The emulator sleeps the modeled
-  device time there; tests inject random delays or a hang.
+  ``mcore.compat``) and the W of a split backward (``MegatronStageWork.weight``, the
+  executor's W task). The emulator sleeps the modeled device time there; tests inject
+  random delays or a hang.
 * ``delay_tasks(delay)`` — sleep ``delay(task)`` seconds before each task (on top of
   ``wrap_tasks``): drifting stages, a hung rank.
 * ``delay_messages(delay)`` — every message the executor's inbox receives is held back
@@ -34,10 +35,12 @@ def wrap_tasks(on_task: OnTask) -> None:
     """Route every task of this process through ``on_task(task, run)``; ``run()`` computes it."""
     from megatron.core.pipeline_parallel import schedules
 
-    from ..mcore import wgrad
+    from ..mcore.stage_work import MegatronStageWork
 
+    # W is hooked where the executor runs it (not at the store: the split's own self-check
+    # runs the store once when it installs, and that is no task of the schedule)
     forward_step, backward_step, run_weight = schedules.forward_step, schedules.backward_step, \
-        wgrad.WeightGradStore.run
+        MegatronStageWork.weight
     forward_of: dict[int, Task] = {}  # id(output tensor) -> its forward: B learns its microbatch
 
     @functools.wraps(forward_step)  # compat reads the real signature through __wrapped__
@@ -54,11 +57,11 @@ def wrap_tasks(on_task: OnTask) -> None:
                        lambda: backward_step(input_tensor, output_tensor, *args, **kwargs))
 
     @functools.wraps(run_weight)
-    def hooked_weight(store, key, **kwargs):
-        return on_task(Task(Kind.W, key[0], key[1]), lambda: run_weight(store, key, **kwargs))
+    def hooked_weight(work, task: Task):
+        return on_task(task, lambda: run_weight(work, task))
 
     schedules.forward_step, schedules.backward_step = hooked_forward_step, hooked_backward_step
-    wgrad.WeightGradStore.run = hooked_weight
+    MegatronStageWork.weight = hooked_weight
 
 
 class InFlightCounter:

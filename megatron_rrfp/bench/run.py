@@ -69,6 +69,10 @@ class BenchConfig:
     fields are replaced by ``f0_ms`` and the ``variability`` level."""
     iterations: int = 5
     warmup: int = 1
+    interleave: bool = False
+    """Alternate the schedules iteration by iteration (each schedule's warm-up first) instead of
+    running each schedule's iterations back to back: a slow spell of a shared host then falls on
+    every schedule alike, which is how ratios between schedules are measured on a loaded machine."""
     seed: int = 0
     buffer_limit: LimitSpec | Sequence[LimitSpec] = DEFAULT_BUFFER_LIMIT
     """RRFP's limit: an int, a multiple of Megatron's peak in flight ("1x") or "auto"; or a list
@@ -182,6 +186,13 @@ class BenchConfig:
 
 # -- what each rank runs --------------------------------------------------------------
 
+def run_order(runs: Sequence[BenchRun], iterations: int, interleave: bool) -> list[tuple[BenchRun, int]]:
+    """(run, iteration index) in the order they execute: run by run, or iteration by iteration."""
+    if interleave:
+        return [(run, i) for i in range(iterations) for run in runs]
+    return [(run, i) for run in runs for i in range(iterations)]
+
+
 def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_path: Optional[str] = None) -> dict:
     """Run every schedule on this rank; returns measured figures (rank 0 holds the totals)."""
     import torch
@@ -230,73 +241,86 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     ledger_iteration = 0
     total = len(runs) * (config.warmup + config.iterations)
     done = 0
+    state = {}
     for run in runs:
-        schedule = run.schedule
         arbiter = run.arbiter()
-        split_backward = arbiter.parsed_hint.for_layout(
-            topology, split_backward=arbiter.split_backward_ok).split_backward
-        walls, busy, spans, breakdowns = [], [], [], []
-        memory = {"peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}
-        for iteration in range(config.warmup + config.iterations):
-            realization = sample_realization(variability, topology, config.num_microbatches,
-                                             seed=config.seed * 100_003 + iteration)
-            for p in parameters:
-                p.grad = None
-            for chunk in (stage if isinstance(stage, list) else [stage]):
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()
-            emulator.split_backward = split_backward and schedule != "megatron-1f1b"
-            emulator.delay_rrfp_messages(bool(variability.c50) and schedule != "megatron-1f1b")
-            emulator.begin_iteration(realization)
-            kwargs = dict(forward_step_func=forward_step, data_iterator=data(iteration), model=stage,
-                          num_microbatches=config.num_microbatches, seq_length=config.seq_length,
-                          micro_batch_size=config.micro_batch_size)
-            dist.barrier()
-            if torch.cuda.is_available() and pipeline_device().type == "cuda":
-                # a measurement: both schedules' meters then read this call's own peak exactly
-                torch.cuda.reset_peak_memory_stats(pipeline_device())
-            ledger_iteration += 1
-            recorder.iteration_start(ledger_iteration)
-            start = time.time()
-            if schedule == "megatron-1f1b":
-                megatron_in_flight.reset()
-                megatron_in_flight.active = True
-                with megatron_meter:
-                    megatron_schedule(**kwargs)
-                megatron_in_flight.active = False
-                own_spans = list(emulator.spans)
-                breakdown, report = None, None
-                measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
-            else:
-                options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True)
-                forward_backward_rrfp(rrfp_config=options, **kwargs)
-                report = last_iteration_report()
-                own_spans = report.spans
-                breakdown = {name: getattr(report, name) for name in BREAKDOWN}
-                measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
-                            report.activation_measure)
-            wall = torch.tensor([time.time() - start], dtype=torch.float64)
-            recorder.iteration(ledger_iteration, tokens=tokens, report=report, memory=measured[:2])
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
-            busy_total = torch.tensor([compute], dtype=torch.float64)
-            dist.all_reduce(busy_total)
-            if iteration >= config.warmup:
-                walls.append(float(wall))
-                busy.append(float(busy_total))
-                spans = own_spans
-                if breakdown is not None:
-                    breakdowns.append(breakdown)
-                memory["peak_activation_bytes"] = max(memory["peak_activation_bytes"], measured[0])
-                memory["peak_in_flight"] = max(memory["peak_in_flight"], measured[1])
-                memory["buffer_limit"], memory["activation_measure"] = measured[2], measured[3]
-            done += 1
-            if progress_path and rank == 0:
-                with open(progress_path, "a", encoding="utf-8") as handle:
-                    handle.write(f"{done} {total} {run.key}\n")
-        results["runs"][run.key] = {"walls": walls, "busy": busy, "spans": [asdict(s) for s in spans],
+        state[run.key] = {"arbiter": arbiter, "split_backward": arbiter.parsed_hint.for_layout(
+            topology, split_backward=arbiter.split_backward_ok).split_backward, "walls": [], "busy": [],
+            "spans": [], "breakdowns": [], "tasks": [], "memory": {
+                "peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}}
+    for run, iteration in run_order(runs, config.warmup + config.iterations, config.interleave):
+        schedule, own = run.schedule, state[run.key]
+        arbiter, split_backward, memory = own["arbiter"], own["split_backward"], own["memory"]
+        realization = sample_realization(variability, topology, config.num_microbatches,
+                                         seed=config.seed * 100_003 + iteration)
+        for p in parameters:
+            p.grad = None
+        for chunk in (stage if isinstance(stage, list) else [stage]):
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        emulator.split_backward = split_backward and schedule != "megatron-1f1b"
+        emulator.delay_rrfp_messages(bool(variability.c50) and schedule != "megatron-1f1b")
+        emulator.begin_iteration(realization)
+        kwargs = dict(forward_step_func=forward_step, data_iterator=data(iteration), model=stage,
+                      num_microbatches=config.num_microbatches, seq_length=config.seq_length,
+                      micro_batch_size=config.micro_batch_size)
+        dist.barrier()
+        if torch.cuda.is_available() and pipeline_device().type == "cuda":
+            # a measurement: both schedules' meters then read this call's own peak exactly
+            torch.cuda.reset_peak_memory_stats(pipeline_device())
+        ledger_iteration += 1
+        recorder.iteration_start(ledger_iteration)
+        cpu = (time.process_time(), time.thread_time())
+        start = time.time()
+        if schedule == "megatron-1f1b":
+            megatron_in_flight.reset()
+            megatron_in_flight.active = True
+            with megatron_meter:
+                megatron_schedule(**kwargs)
+            megatron_in_flight.active = False
+            own_spans = list(emulator.spans)
+            breakdown, report = None, None
+            measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
+        else:
+            options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True)
+            forward_backward_rrfp(rrfp_config=options, **kwargs)
+            report = last_iteration_report()
+            own_spans = report.spans
+            breakdown = {name: getattr(report, name) for name in BREAKDOWN}
+            measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
+                        report.activation_measure)
+        elapsed = time.time() - start
+        # CPU seconds of this process's other threads (transport, delivery, gloo) meanwhile
+        other_cpu = (time.process_time() - cpu[0]) - (time.thread_time() - cpu[1])
+        wall = torch.tensor([elapsed], dtype=torch.float64)
+        recorder.iteration(ledger_iteration, tokens=tokens, report=report, memory=measured[:2])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
+        busy_total = torch.tensor([compute], dtype=torch.float64)
+        dist.all_reduce(busy_total)
+        if iteration >= config.warmup:
+            own["walls"].append(float(wall))
+            own["busy"].append(float(busy_total))
+            own["spans"] = own_spans
+            own["tasks"].append({"by_kind": emulator.tally.as_dict(), "other_threads_cpu_s": other_cpu,
+                                 "rank_wall_s": elapsed, "busy_s": compute, "executor": breakdown})
+            if breakdown is not None:
+                own["breakdowns"].append(breakdown)
+            memory["peak_activation_bytes"] = max(memory["peak_activation_bytes"], measured[0])
+            memory["peak_in_flight"] = max(memory["peak_in_flight"], measured[1])
+            memory["buffer_limit"], memory["activation_measure"] = measured[2], measured[3]
+        done += 1
+        if progress_path and rank == 0:
+            with open(progress_path, "a", encoding="utf-8") as handle:
+                handle.write(f"{done} {total} {run.key}\n")
+    for run in runs:
+        own = state[run.key]
+        breakdowns = own["breakdowns"]
+        results["runs"][run.key] = {"walls": own["walls"], "busy": own["busy"],
+                                     "spans": [asdict(s) for s in own["spans"]],
                                      "breakdown": {name: statistics.median(b[name] for b in breakdowns)
-                                                   for name in BREAKDOWN} if breakdowns else None, **memory}
+                                                   for name in BREAKDOWN} if breakdowns else None,
+                                     "tasks": own["tasks"], **own["memory"]}
     recorder.job_end()
     shutdown()
     return results
@@ -417,7 +441,8 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     from ..policy.topology import Topology
     from ..sim.bounds import median_lower_bound
     from ..sim.simulator import policy, simulate
-    from ..sim.variability import sample_realization
+    from ..sim.variability import sample_realization, with_host_cost
+    from .breakdown import explain_gap, run_breakdown, stage_host_costs
 
     ranks = per_rank[0]["world_size"]
     first = per_rank[0]["runs"]
@@ -429,14 +454,22 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
     stage_limits = {run.key: _per_stage(per_rank, run.key, "buffer_limit") for run in bench_runs}
     # The simulator runs one limit on every stage: the smallest any stage used (auto may differ per stage).
     sim_limits = {key: min([v for v in limits if v] or [1]) for key, limits in stage_limits.items()}
+    host_costs = {run.key: stage_host_costs(per_rank, run.key, config.pipeline_size) for run in bench_runs}
     sims: dict[str, list[float]] = {}
+    sims_host: dict[str, list[float]] = {}  # the same, each task plus its schedule's measured host cost
     realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
                     for i in range(config.warmup, config.warmup + config.iterations)]
     for realization in realizations:
         for run in bench_runs:
-            sims.setdefault(run.key, []).append(simulate(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
-                                                         topology, config.num_microbatches, realization).makespan)
+            arbiter_config = policy(_SIM_POLICY[run.schedule], sim_limits[run.key])
+            sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
+                                                         realization).makespan)
+            if host_costs[run.key] is not None:
+                sims_host.setdefault(run.key, []).append(simulate(
+                    arbiter_config, topology, config.num_microbatches,
+                    with_host_cost(realization, host_costs[run.key])).makespan)
     sim_base = statistics.median(sims["megatron-1f1b"])
+    sim_host_base = statistics.median(sims_host["megatron-1f1b"]) if "megatron-1f1b" in sims_host else None
     megatron_peak = max(r["runs"]["megatron-1f1b"]["peak_activation_bytes"] for r in per_rank)
     runs = []
     for run in bench_runs:
@@ -461,7 +494,15 @@ def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
             "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},
             "activation_memory_vs_megatron_1f1b": max(peak_bytes) / megatron_peak if megatron_peak else None,
             "buffer_limit": {"spec": str(run.limit), "per_stage": stage_limits[key]} if run.swept else None,
+            "task_breakdown": run_breakdown(per_rank, key),
+            "host_cost_s_per_task": host_costs[key],
+            "simulated_speedup_with_host_cost": sim_host_base / statistics.median(sims_host[key])
+            if sim_host_base and key in sims_host else None,
+            "simulated_iteration_time_s_with_host_cost": statistics.median(sims_host[key])
+            if key in sims_host else None,
         })
+    for run in runs:
+        run["gap_explanation"] = explain_gap(run, runs[0])
     report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
               "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
     if len(limit_list(config.buffer_limit)) > 1:

@@ -37,4 +37,28 @@ def format_table(report: dict) -> str:
         lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
     if sweep:
         lines.append("fixed orders (megatron-1f1b, *-strict) ran once: a buffer limit does not change their order")
+    lines.extend(format_breakdown(report, labels, width))
     return "\n".join(lines)
+
+
+def format_breakdown(report: dict, labels: list[str], width: int) -> list[str]:
+    """Where the time goes (bench/breakdown.py), per rank (median over ranks, seconds per
+    iteration), the summed task time against Megatron's, and what explains the sim gap."""
+    if not any(r.get("task_breakdown") for r in report["runs"]):
+        return []
+    lines = ["where the time goes (s per iteration, median over ranks): device = emulated, host = real compute "
+             "wall (cpu), executor = around each task, loop = arbiter/inbox between tasks",
+             f"{'schedule':<{width}}{'device':>8}{'host':>7}{'(cpu)':>7}{'overrun':>8}{'executor':>9}{'loop':>7}"
+             f"{'agree':>7}{'wait':>7}{'threads':>8}{'ms/task':>8}{'tasks/Mg':>9}{'(cpu)':>7}  sim gap"]
+    for label, r in zip(labels, report["runs"]):
+        b = r.get("task_breakdown")
+        if not b:
+            continue
+        ratio, cpu = b.get("task_time_vs_megatron"), b.get("task_cpu_vs_megatron")
+        lines.append(f"{label:<{width}}" + "".join(f"{b[name]['median']:>{w}.3f}" for name, w in (
+            ("device_s", 8), ("host_s", 7), ("host_cpu_s", 7), ("overrun_s", 8), ("executor_s", 9), ("runtime_s", 7),
+            ("agree_s", 7), ("wait_s", 7), ("threads_cpu_s", 8)))
+            + f"{b['host_ms_per_task']:>8.2f}"
+            + (f"{ratio['median']:>8.3f}x{cpu['median']:>6.3f}x" if ratio else f"{'-':>9}{'-':>7}")
+            + f"  {r.get('gap_explanation', '')}")
+    return lines

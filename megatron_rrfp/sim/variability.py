@@ -6,7 +6,7 @@ policies are compared on exactly the same variability. Units: everything is in u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
 import numpy as np
@@ -127,15 +127,26 @@ class Realization:
     gradient_latency: list
     backward_comm: Optional[list] = None
     """Part of backward_total that is communication (MoE all-to-alls): it stays in B when split."""
+    host_cost: Optional[list] = None
+    """Per stage, {"F": s, "B": s, "W": s}: a measured host cost added to every task of that kind
+    (``with_host_cost``); None: tasks are their device time alone (the default model)."""
 
     def duration(self, stage: int, task: Task, split_backward: bool) -> float:
+        extra = self.host_cost[stage].get(task.kind.value, 0.0) if self.host_cost else 0.0
         if task.kind is Kind.F:
-            return self.forward[stage][task.chunk][task.microbatch]
+            return self.forward[stage][task.chunk][task.microbatch] + extra
         full = self.backward_total[stage][task.chunk][task.microbatch]
         if not split_backward:
-            return full
+            return full + extra
         comm = self.backward_comm[stage][task.chunk][task.microbatch] if self.backward_comm else 0.0
-        return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0)
+        return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0) + extra
+
+
+def with_host_cost(realization: Realization, host_cost: list) -> Realization:
+    """``realization`` with a measured per-task host cost (seconds, per stage and kind: what the
+    launch-bound regime of small microbatches adds on a GPU, or the Python per task on a CPU
+    bench) on top of each task's device time; ``bench`` measures it per schedule."""
+    return replace(realization, host_cost=host_cost)
 
 
 def moe_load_factor(v: Variability, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
