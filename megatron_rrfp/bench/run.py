@@ -31,14 +31,13 @@ from typing import ClassVar, Optional
 from ..checks import BUFFER_LIMITS, TIMEOUT_S, Bound, bound, check_fields, integer
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec, check_limit_spec, starting_limit
-from ..runtime.report import BREAKDOWN_FIELDS
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 from .stages import build_stage, with_ddp
-from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list, tradeoff_section
+from .summary import BREAKDOWN, summarize
+from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list
 from .sweep import SIM_POLICY as _SIM_POLICY
 
 # Per-rank seconds per iteration measured by RRFP's executor, and its wall time.
-BREAKDOWN = (*BREAKDOWN_FIELDS, "wall_s")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -435,102 +434,6 @@ def _run_in_this_process(config: BenchConfig) -> dict:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def summarize(config: BenchConfig, per_rank: list[dict]) -> dict:
-    from ..policy.topology import Topology
-    from ..sim.bounds import median_lower_bound
-    from ..sim.simulator import policy, simulate
-    from ..sim.variability import sample_realization, with_host_cost
-    from .breakdown import explain_gap, run_breakdown, stage_host_costs
-
-    ranks = per_rank[0]["world_size"]
-    first = per_rank[0]["runs"]
-    tokens = config.num_microbatches * config.micro_batch_size * config.seq_length * config.data_parallel
-    baseline = statistics.median(first["megatron-1f1b"]["walls"])
-    topology = Topology(config.pipeline_size, config.num_chunks)
-    variability = config.variability_model()
-    bench_runs = config.runs()
-    stage_limits = {run.key: _per_stage(per_rank, run.key, "buffer_limit") for run in bench_runs}
-    # The simulator runs one limit on every stage: the smallest any stage used (auto may differ per stage).
-    sim_limits = {key: min([v for v in limits if v] or [1]) for key, limits in stage_limits.items()}
-    host_costs = {run.key: stage_host_costs(per_rank, run.key, config.pipeline_size) for run in bench_runs}
-    sims: dict[str, list[float]] = {}
-    sims_host: dict[str, list[float]] = {}  # the same, each task plus its schedule's measured host cost
-    realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
-                    for i in range(config.warmup, config.warmup + config.iterations)]
-    for realization in realizations:
-        for run in bench_runs:
-            arbiter_config = policy(_SIM_POLICY[run.schedule], sim_limits[run.key])
-            sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
-                                                         realization).makespan)
-            if host_costs[run.key] is not None:
-                sims_host.setdefault(run.key, []).append(simulate(
-                    arbiter_config, topology, config.num_microbatches,
-                    with_host_cost(realization, host_costs[run.key])).makespan)
-    sim_base = statistics.median(sims["megatron-1f1b"])
-    sim_host_base = statistics.median(sims_host["megatron-1f1b"]) if "megatron-1f1b" in sims_host else None
-    megatron_peak = max(r["runs"]["megatron-1f1b"]["peak_activation_bytes"] for r in per_rank)
-    runs = []
-    for run in bench_runs:
-        key = run.key
-        walls, busy = first[key]["walls"], first[key]["busy"]
-        median = statistics.median(walls)
-        peak_bytes = [r["runs"][key]["peak_activation_bytes"] for r in per_rank]
-        in_flight = [r["runs"][key]["peak_in_flight"] for r in per_rank]
-        runs.append({
-            "schedule": run.schedule,
-            "buffer_limit_spec": str(run.limit) if run.swept else None,
-            "iteration_time_s": {"median": median, "p90": _quantile(walls, 0.9), "all": walls},
-            "speedup_vs_megatron_1f1b": baseline / median,
-            "bubble_fraction": statistics.median([1 - b / (ranks * w) for b, w in zip(busy, walls)]),
-            "tokens_per_s": tokens / median,
-            "simulated_iteration_time_s": statistics.median(sims[key]),
-            "simulated_speedup": sim_base / statistics.median(sims[key]),
-            "over_lower_bound": median / median_lower_bound(policy(_SIM_POLICY[run.schedule], sim_limits[key]),
-                                                            topology, realizations),
-            "breakdown_s": _across_ranks([r["runs"][key]["breakdown"] for r in per_rank]),
-            "peak_activation_bytes": {"max_over_ranks": max(peak_bytes), "per_rank": peak_bytes},
-            "peak_in_flight": {"max_over_ranks": max(in_flight), "per_rank": in_flight},
-            "activation_memory_vs_megatron_1f1b": max(peak_bytes) / megatron_peak if megatron_peak else None,
-            "buffer_limit": {"spec": str(run.limit), "per_stage": stage_limits[key]} if run.swept else None,
-            "task_breakdown": run_breakdown(per_rank, key),
-            "host_cost_s_per_task": host_costs[key],
-            "simulated_speedup_with_host_cost": sim_host_base / statistics.median(sims_host[key])
-            if sim_host_base and key in sims_host else None,
-            "simulated_iteration_time_s_with_host_cost": statistics.median(sims_host[key])
-            if key in sims_host else None,
-        })
-    for run in runs:
-        run["gap_explanation"] = explain_gap(run, runs[0])
-    report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
-              "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
-    if len(limit_list(config.buffer_limit)) > 1:
-        megatron_in_flight = max(r["runs"]["megatron-1f1b"]["peak_in_flight"] for r in per_rank)
-        report["tradeoff"] = tradeoff_section(config, runs, megatron_in_flight, megatron_peak)
-    return report
-
-
-def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:
-    """``key`` of ``schedule`` per pipeline stage (its first rank: TP ranks agree)."""
-    by_stage: dict[int, object] = {}
-    for r in sorted(per_rank, key=lambda r: r["rank"]):
-        by_stage.setdefault(r["stage"], r["runs"][schedule][key])
-    return [by_stage[stage] for stage in sorted(by_stage)]
-
-
-def _across_ranks(per_rank: list) -> Optional[dict]:
-    """{metric: {min, median, max}} over ranks of each rank's median per iteration: compute
-    (F/B/W), wait (bubble: blocked on readiness), backpressure, agree (TP), flush (last sends)."""
-    if not per_rank or per_rank[0] is None:
-        return None
-    return {name: {"min": min(r[name] for r in per_rank), "median": statistics.median(r[name] for r in per_rank),
-                   "max": max(r[name] for r in per_rank)} for name in BREAKDOWN}
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> None:

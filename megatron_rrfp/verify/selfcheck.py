@@ -48,9 +48,10 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
+from .selfcheck_result import Result
 from .selfcheck_te import TE_STEPS
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
@@ -65,11 +66,6 @@ GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
-@dataclass
-class Result:
-    step: str
-    status: str  # PASS | FAIL | SKIP
-    detail: str
 
 
 # --------------------------------------------------------------------------- one-GPU steps
@@ -316,17 +312,6 @@ def _production_step(name: str):
         return Result(name, *compare_with_megatron_on_gpu(ctx, **PRODUCTION_STEPS[name]))
 
     return step
-
-
-def _ensure_model_parallel() -> None:
-    """megatron-core DDP needs parallel_state: a 1-rank group when the self-check runs alone."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", world_size=1, rank=0)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
 
 
 STEP_FUNCTIONS: dict[str, Callable] = {

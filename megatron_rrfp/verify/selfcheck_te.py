@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 
+from .selfcheck_result import Result, ensure_model_parallel
+
 TOL = 1e-5
 
 
@@ -39,9 +41,8 @@ def _stage(build):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
 
-    from .selfcheck import _ensure_model_parallel
 
-    _ensure_model_parallel()
+    ensure_model_parallel()
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
 
     class Stage(MegatronModule):
@@ -112,13 +113,11 @@ def _compare(wrap, *, overlap: bool, microbatches: int = 3, first: bool = False,
 
 
 def _result(step: str, problems: list[str], ok: str):
-    from .selfcheck import Result
 
     return Result(step, "FAIL", "; ".join(problems)) if problems else Result(step, "PASS", ok)
 
 
 def _skip(step: str, why: str):
-    from .selfcheck import Result
 
     return Result(step, "SKIP", why)
 
