@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -271,3 +274,28 @@ def test_megatron_pp2_gradients_equal_sequential_run(vpp, sequential):
                                    msg=lambda m, name=name: f"{name}: {m}")
     assert stages[0]["losses"] == []
     torch.testing.assert_close(stages[1]["losses"], reference["losses"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_the_gpu_selfcheck_never_waits_on_a_failed_rank_and_names_it(mode):
+    """Issue 31: the self-check's runner (verify/selfcheck_runner.py, as scripts/gpu_selfcheck.py
+    runs it) on 2 gloo ranks: rank 1 raises in a multi-rank step (or hangs in it) while rank 0
+    waits in that step's all-reduce. Rank 0 leaves at once after the failure (within the 5 s
+    step timeout after a hang), names rank 1, and prints the verdict; nothing waits for
+    gloo's 30 min."""
+    script = pathlib.Path(__file__).parent / "helpers" / "selfcheck_ranks.py"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), mode], capture_output=True, text=True, timeout=200,
+                            env={**os.environ, "STEP_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1"})
+    took = time.monotonic() - started
+    out = result.stdout
+    assert result.returncode != 0, out
+    if mode == "fail":
+        assert "[rank 0] FAIL collective: rank 1 failed (collective: ValueError: injected failure" in out, out
+    else:
+        assert "[rank 0] FAIL collective: rank(s) [0, 1] did not finish it within --step-timeout 5 s" in out, out
+    assert "gpu_selfcheck: FAIL (collective on rank 0, collective on rank 1)" in out, out + result.stderr[-3000:]
+    assert "after:" not in out  # the later multi-rank step is not attempted by anyone
+    assert took < 150, took
