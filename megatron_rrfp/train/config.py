@@ -359,7 +359,7 @@ def _check_moe(c: TrainConfig) -> None:
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
         return
-    _require(c.model == "gpt", "--num-experts is offered for --model gpt")
+    _require(c.model in ("gpt", "hybrid"), "--num-experts is offered for --model gpt and hybrid (E layers)")
     _require(experts % ep == 0, f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(c.moe_router_topk <= experts, f"--moe-router-topk {c.moe_router_topk} exceeds --num-experts {experts}")
 
