@@ -11,7 +11,7 @@ import json
 import pytest
 
 from helpers.equivalence import Case, run_cases
-from helpers.failures import api_contract, cases_then_stress, unresponsive_peer
+from helpers.failures import api_contract, stress, unresponsive_peer
 from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
 
 TOL = 1e-5
@@ -62,58 +62,36 @@ def test_pp4_gpt_and_mlp():
     _check(results)
 
 
-TP2_PP2_LATE = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
-                Case(model="gpt", iterations=2, hint="bfw", late_rank=3),
-                Case(model="mlp", iterations=3, buffer_limit="auto"),  # TP ranks agree on auto's limit
-                Case(model="mlp", iterations=2, late_rank=0, transport="rounds")]  # device protocol, agreed counters
-TP2_PP2_SP = [Case(model="gpt", iterations=2, hint=hint, buffer_limit="1x", sequence_parallel=True)
-              for hint in ("default", "zbh1")]
+@pytest.mark.timeout(400)
+def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
+    cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
+             Case(model="gpt", iterations=2, hint="bfw", late_rank=3),
+             Case(model="mlp", iterations=3, buffer_limit="auto"),  # TP ranks agree on auto's limit
+             Case(model="mlp", iterations=2, late_rank=0, transport="rounds")]  # device protocol, agreed counters
+    results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
+    _check(results)
 
 
-@pytest.fixture(scope="module")
-def tp2_pp2_results():
-    """One TP2 x PP2 launch for the late-message and sequence-parallel cases and the delay
-    stress (each test reads its own slice: a 4-rank start-up is the cost saved)."""
-    results = launch(cases_then_stress, world_size=4, tp=2, pp=2, timeout=860,
-                     args=(TP2_PP2_LATE + TP2_PP2_SP, 200, 0))
-    late = len(TP2_PP2_LATE)
-    return ([r["cases"][:late] for r in results], [r["cases"][late:] for r in results],
-            [r["stress"] for r in results])
+@pytest.mark.timeout(400)
+def test_dp2_pp2_with_megatron_ddp_and_finalize():
+    results = launch(run_cases, world_size=4, pp=2, timeout=360,
+                     args=([Case(model="gpt", iterations=3), Case(model="mlp", iterations=2),
+                            Case(model="gpt", iterations=2, hint="bfw"),
+                            Case(model="gpt", iterations=2, per_token_loss=True)],))
+    _check(results)
 
 
-@pytest.mark.timeout(900)
-def test_tp2_pp2_with_one_tp_rank_seeing_messages_late(tp2_pp2_results):
-    _check(tp2_pp2_results[0])
-
-
-DP2_PP2_DDP = [Case(model="gpt", iterations=3), Case(model="mlp", iterations=2),
-               Case(model="gpt", iterations=2, hint="bfw"), Case(model="gpt", iterations=2, per_token_loss=True)]
-DP2_PP2_OVERLAP = [Case(model="gpt", iterations=3, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
-                        bucket_size=2000),
-                   Case(model="gpt", iterations=2, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
-                        use_distributed_optimizer=True, bucket_size=2000)]
-
-
-@pytest.fixture(scope="module")
-def dp2_pp2_results():
-    """One DP2 x PP2 launch for the plain-DDP and the overlapped-reduction cases."""
-    results = launch(run_cases, world_size=4, pp=2, timeout=560, args=(DP2_PP2_DDP + DP2_PP2_OVERLAP,))
-    ddp = len(DP2_PP2_DDP)
-    return [rank[:ddp] for rank in results], [rank[ddp:] for rank in results]
-
-
-@pytest.mark.timeout(600)
-def test_dp2_pp2_with_megatron_ddp_and_finalize(dp2_pp2_results):
-    _check(dp2_pp2_results[0])
-
-
-@pytest.mark.timeout(600)
-def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_megatron(dp2_pp2_results):
+@pytest.mark.timeout(400)
+def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_megatron():
     """overlap_grad_reduce (+ distributed optimizer) with the default policy's B/W split:
     gradients equal Megatron's, and from the second iteration on (DDP's golden counts are
     recorded in the first, as in Megatron) every bucket launches inside the schedule (during
     the last W, weight by weight, or after the last B), none from finish_grad_sync."""
-    results = dp2_pp2_results[1]
+    cases = [Case(model="gpt", iterations=3, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
+                  bucket_size=2000),
+             Case(model="gpt", iterations=2, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
+                  use_distributed_optimizer=True, bucket_size=2000)]
+    results = launch(run_cases, world_size=4, pp=2, timeout=360, args=(cases,))
     _check(results, expect_reordering=False)
     for rank in results:
         for r in rank:
@@ -128,11 +106,13 @@ def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_me
           [(r["stage"], r["bucket_launches"][1]) for rank in results for r in rank[:1]])
 
 
-@pytest.mark.timeout(900)
-def test_tp2_pp2_sequence_parallel_split_equals_megatron(tp2_pp2_results):
+@pytest.mark.timeout(400)
+def test_tp2_pp2_sequence_parallel_split_equals_megatron():
     """Megatron's sequence parallelism (norms marked sequence_parallel on CPU) with the B/W
     split active, default policy and ZB-H1 read readiness-first, against Megatron's 1F1B."""
-    results = tp2_pp2_results[1]
+    cases = [Case(model="gpt", iterations=2, hint=hint, buffer_limit="1x", sequence_parallel=True)
+             for hint in ("default", "zbh1")]
+    results = launch(run_cases, world_size=4, tp=2, pp=2, timeout=360, args=(cases,))
     _check(results, expect_reordering=False)
     for rank in results:
         for r in rank:
@@ -140,9 +120,9 @@ def test_tp2_pp2_sequence_parallel_split_equals_megatron(tp2_pp2_results):
             assert r["peak_deferred_wgrad_bytes"] > 0
 
 
-@pytest.mark.timeout(900)
-def test_stress_hundreds_of_delay_patterns_tp2_pp2(tp2_pp2_results):
-    results = tp2_pp2_results[2]
+@pytest.mark.timeout(400)
+def test_stress_hundreds_of_delay_patterns_tp2_pp2():
+    results = launch(stress, world_size=4, tp=2, pp=2, timeout=360, args=(200,), kwargs={"late_rank": 0})
     for r in results:
         assert r["patterns"] == 200 and r["mismatches"] == 0 and r["hangs"] == 0, r
     # the patterns really produced different orders (M=6 at PP=2 allows only a handful)

@@ -150,10 +150,3 @@ def stress(patterns: int, late_rank: int, seed: int = 0, progress_path: str | No
     delay_messages(None)
     return {"rank": rank, "patterns": patterns, "mismatches": mismatches, "hangs": hangs, "first_hang": first_hang,
             "distinct_orders": len(orders), "agree_rounds": rounds}
-
-
-def cases_then_stress(cases: list, patterns: int, late_rank: int) -> dict:
-    """Equivalence cases, then ``stress``, in one launch of a layout (start-up is the cost)."""
-    from helpers.equivalence import run_cases
-
-    return {"cases": run_cases(cases), "stress": stress(patterns, late_rank=late_rank)}
