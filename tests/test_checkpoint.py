@@ -128,3 +128,30 @@ def test_a_foreign_tensor_file_and_a_garbled_tracker_are_clear_errors(tmp_path, 
     (tmp_path / checkpoint.TRACKER).write_text("six\n")
     with pytest.raises(ValueError, match="holds 'six', not an iteration number"):
         checkpoint.latest_iteration(str(tmp_path))
+
+
+def test_a_resume_with_another_hybrid_pattern_is_refused_in_one_line(tmp_path, one_rank):
+    """Issue 31: the layout record holds --hybrid-layer-pattern (--model hybrid only, so a GPT
+    checkpoint's record is unchanged); another pattern is refused before anything loads."""
+    from megatron_rrfp.train.config import TrainConfig
+    from megatron_rrfp.train.driver import checkpoint_layout
+
+    hybrid = checkpoint_layout(TrainConfig(model="hybrid", hybrid_layer_pattern="*-|*-", num_layers=4), 2)
+    assert hybrid["hybrid_layer_pattern"] == "*-|*-"
+    assert "hybrid_layer_pattern" not in checkpoint_layout(TrainConfig(), 2)
+    model, optimizer, scheduler = _training_state(seed=1)
+    checkpoint.save(str(tmp_path), iteration=2, consumed_samples=16, layout={**LAYOUT, "hybrid_layer_pattern": "*-|*-"},
+                    model=model, optimizer=optimizer, scheduler=scheduler)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with pytest.raises(ValueError) as refused:
+        checkpoint.load(str(tmp_path), iteration=None, model=model, optimizer=optimizer, scheduler=scheduler,
+                        layout={**LAYOUT, "hybrid_layer_pattern": "**|--"})
+    message = str(refused.value)
+    assert "\n" not in message and "--hybrid-layer-pattern '*-|*-', this run has '**|--'" in message, message
+    assert all(not p.any() for p in model.parameters())  # nothing loaded
+    resumed = checkpoint.load(str(tmp_path), iteration=None, model=model, optimizer=optimizer, scheduler=scheduler,
+                              layout={**LAYOUT, "hybrid_layer_pattern": "*-|*-"})
+    assert resumed.iteration == 2 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

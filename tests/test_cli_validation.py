@@ -325,7 +325,14 @@ def test_study_config_checks_everything_before_simulating():
         StudyConfig(policies=[])
 
 
-def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(capsys):
+@pytest.fixture
+def no_warning_choice(monkeypatch):
+    """A caller that set neither PYTHONWARNINGS nor -W (whatever the suite's own caller set)."""
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    monkeypatch.setattr(sys, "warnoptions", [])
+
+
+def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(capsys, no_warning_choice):
     """Issue 23: only the CLI entry points hide megatron-core's known dependency warnings; a
     command run in-process puts the caller's filters, loggers and environment back."""
     import logging
@@ -354,4 +361,38 @@ def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(cap
             exec(compile("import warnings; warnings.warn('Apex is not installed. Falling back to Torch Norm')",
                          "backends.py", "exec"), {"__name__": "megatron.core.models.backends"})
         assert not caught
+        with warnings.catch_warnings(record=True) as caught:  # torch's deprecation of what megatron-core calls
+            exec(compile("import warnings; warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated. "
+                         "Please use `torch.distributed.all_gather_single` instead.', FutureWarning)",
+                         "c10d_logger.py", "exec"), {"__name__": "torch.distributed.c10d_logger"})
+        assert not caught
+    assert warnings.filters == before and quiet.ENV not in os.environ
+
+
+@pytest.mark.parametrize("choice", [("env", "default"), ("env", "ignore"), ("env", "error::DeprecationWarning"),
+                                    ("-W", "default"), ("-W", "always::UserWarning")])
+def test_a_callers_warning_choice_wins_and_the_suite_does_not_depend_on_it(monkeypatch, choice):
+    """Issue 31: the user's PYTHONWARNINGS / -W wins (nothing hidden, no variable for the ranks,
+    no one-line note), and the quiet tests above pin the caller's setting themselves, so
+    the suite passes under any of these (also run as ``PYTHONWARNINGS=default pytest``)."""
+    import warnings
+
+    from megatron_rrfp import quiet
+
+    kind, value = choice
+    monkeypatch.delenv(quiet.ENV, raising=False)
+    if kind == "env":
+        monkeypatch.setenv("PYTHONWARNINGS", value)
+        monkeypatch.setattr(sys, "warnoptions", [])
+    else:
+        monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+        monkeypatch.setattr(sys, "warnoptions", [value])
+    before = list(warnings.filters)
+    with quiet.for_entry_point(announce=True):
+        assert quiet.ENV not in os.environ and warnings.filters == before and quiet.note() is None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile("import warnings; warnings.warn('Apex is not installed. Falling back to Torch Norm')",
+                         "backends.py", "exec"), {"__name__": "megatron.core.models.backends"})
+        assert [str(w.message) for w in caught] == ["Apex is not installed. Falling back to Torch Norm"]
     assert warnings.filters == before and quiet.ENV not in os.environ

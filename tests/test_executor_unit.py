@@ -158,3 +158,47 @@ def test_delayed_messages_are_held_back_each_by_its_own_delay():
     at = dict(arrived)
     assert at[5] < 0.2 and 0.2 < at[3] < at[0] and at[0] > 0.35
     assert format_order([Task(Kind.F, mb) for mb, _ in arrived]) == "0F1,0F2,0F4,0F5,0F3,0F0"
+
+
+def test_the_agreements_gather_uses_torchs_current_collective_without_a_warning():
+    """Issue 31: torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every
+    call, every TP run); the agreement's gather goes through all_gather_single."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rrfp.runtime.agreement import GlooCollective
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gathered = GlooCollective(dist.group.WORLD).all_gather(torch.tensor([3, 1, 4], dtype=torch.uint8))
+    finally:
+        dist.destroy_process_group()
+    assert gathered.tolist() == [[3, 1, 4]]
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], \
+        [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("release_broken", [False, True])
+def test_the_unsplit_fallback_line_names_the_release_when_it_is_the_cause(monkeypatch, capsys, release_broken):
+    """Issue 31: the default hint's one line says 'with this megatron-core release' when the
+    release's own linear failed the split self-check, 'for this model' when the model's
+    layers are the reason (here: no megatron-core linear at all)."""
+    import torch
+
+    from megatron_rrfp.mcore import stage_work, wgrad
+    from megatron_rrfp.mcore.config import RRFPConfig
+
+    failed = "megatron-core 0.0: the B/W split self-check failed: its split backward raised RuntimeError: x"
+    monkeypatch.setattr(wgrad, "_SELF_CHECK", [failed if release_broken else ""])
+    options = stage_work.with_split_capability(RRFPConfig(), [torch.nn.Linear(2, 2)], all_stages=lambda ok: ok)
+    assert not options.arbiter.split_backward_ok
+    line, = [line for line in capsys.readouterr().out.splitlines() if "without the B/W split" in line]
+    if release_broken:
+        assert line.startswith("megatron-rrfp: the default policy runs without the B/W split with this megatron-core "
+                               f"release: {failed} (+1 more)"), line
+    else:
+        assert "for this model: no trainable megatron-core ColumnParallelLinear" in line, line

@@ -271,3 +271,26 @@ def test_megatron_pp2_gradients_equal_sequential_run(vpp, sequential):
                                    msg=lambda m, name=name: f"{name}: {m}")
     assert stages[0]["losses"] == []
     torch.testing.assert_close(stages[1]["losses"], reference["losses"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_the_gpu_selfcheck_never_waits_on_a_failed_rank_and_names_it(mode, tmp_path):
+    """Issue 31: the self-check's runner (verify/selfcheck_runner.py, as scripts/gpu_selfcheck.py
+    runs it) on 2 gloo ranks: rank 1 raises in a multi-rank step (or hangs in it) while rank 0
+    waits in that step's all-reduce. Rank 0 leaves at once after the failure (after the 5 s
+    step timeout for a hang), names rank 1 (the unfinished ranks), prints the verdict and
+    exits 1; nothing waits for gloo's 30 min (nor the launch's own 150 s timeout)."""
+    from helpers.selfcheck_ranks import selfcheck_ranks
+
+    with pytest.raises(DistributedTestFailure) as failed:
+        launch(selfcheck_ranks, world_size=2, init_megatron=False, timeout=150,
+               args=(mode, str(tmp_path / "store"), 5.0))
+    rank0 = failed.value.outcomes[0]
+    assert rank0.status == "died" and rank0.exitcode == 1, failed.value  # left by itself, not killed at 150 s
+    out = rank0.stdout_tail
+    if mode == "fail":
+        assert "[rank 0] FAIL collective: rank 1 failed (collective: ValueError: injected failure" in out, out
+    else:
+        assert "[rank 0] FAIL collective: rank(s) [0, 1] did not finish it within --step-timeout 5 s" in out, out
+    assert "gpu_selfcheck: FAIL (collective on rank 0" in out and "after:" not in out, out

@@ -40,6 +40,26 @@ def test_train_hybrid_rrfp_losses_equal_1f1b():
     assert rrfp[6] < rrfp[1] - 0.05, rrfp  # it learns
 
 
+@needs_hybrid
+@pytest.mark.timeout(400)
+def test_train_hybrid_moe_layers_ep2_pp2_rrfp_losses_equal_1f1b():
+    """Issue 31: E (MoE) layers in --hybrid-layer-pattern, with train's MoE flags, at EP2 x PP2
+    (4 ranks: DP2 = EP2): rrfp logs Megatron's 1F1B losses; --num-experts without an E layer
+    is refused before any rank starts."""
+    from test_moe import MOE_TRAIN
+
+    from megatron_rrfp.train.config import TrainConfig, validate
+
+    flags = [*MOE_TRAIN, "--model", "hybrid", "--hybrid-layer-pattern", "*E|*E", "--train-iters", "2"]
+    rrfp = losses(train(*flags, "--pipeline-schedule", "rrfp", "--rrfp-hint", "bf", timeout=170))
+    megatron = losses(train(*flags, "--pipeline-schedule", "1f1b", timeout=170))
+    assert rrfp.keys() == megatron.keys() == {1, 2}
+    assert all(abs(rrfp[i] - megatron[i]) <= 1e-5 for i in rrfp), (rrfp, megatron)
+    with pytest.raises(ValueError, match="no E \\(MoE\\) layer to give experts"):
+        validate(TrainConfig(model="hybrid", hybrid_layer_pattern="*-|*-", num_experts=4,
+                             pipeline_model_parallel_size=2, cpu=True))
+
+
 @pytest.mark.skipif(not MISSING, reason="refused only where megatron-core has no HybridModel")
 def test_train_hybrid_is_refused_naming_the_release_needed():
     result = train(*HYBRID, timeout=60)
@@ -55,7 +75,7 @@ def test_train_hybrid_is_refused_naming_the_release_needed():
     ("*-|", 2, True, "pipeline stage 1 has no layers"),
     ("*M|*-", 2, True, "M (Mamba) layers need CUDA kernels"),
     ("*G|*-", 2, True, "G (Gated DeltaNet) layers need CUDA kernels"),
-    ("*E|*-", 2, False, "E (MoE) layers need megatron-core's MoE settings"),
+    ("*E|*-", 2, False, "E (MoE) layers need --num-experts N"),
     ("*x|*-", 2, True, "unknown layer symbol 'x'"),
     ("*-|*-/*-", 2, True, "multi-token prediction"),
 ])

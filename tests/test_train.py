@@ -155,20 +155,50 @@ def test_resuming_at_iteration_3_continues_like_the_uninterrupted_run(rrfp_run):
     assert all(abs(continued[i] - uninterrupted[i]) <= 1e-5 for i in continued), (continued, uninterrupted)
 
 
-@pytest.mark.timeout(60)
-def test_a_bad_flag_exits_nonzero_naming_the_flag():
-    result = train(*TINY, "--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "0", timeout=50)
-    assert result.returncode != 0
-    assert "--rrfp-buffer-limit" in result.stderr
-    assert "Traceback" not in result.stderr
+def train_in_process(capsys, *flags: str) -> tuple[int, str]:
+    """``megatron-rrfp train FLAGS`` run by this process (exit status, stderr): for errors
+    that must come before any rank starts (no launch needed to show it)."""
+    from megatron_rrfp.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["train", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
-def test_impossible_layouts_fail_before_starting_ranks():
-    result = train(*TINY, "--pipeline-schedule", "rrfp", "--global-batch-size", "7", timeout=50)
-    assert result.returncode == 2 and "--global-batch-size 7" in result.stderr
-    result = train("--cpu", "--nproc", "3", "--pipeline-model-parallel-size", "2", timeout=50)
-    assert result.returncode == 2 and "world size 3 is not divisible by TP x PP = 1 x 2" in result.stderr
+def test_a_bad_flag_exits_nonzero_naming_the_flag(capsys):
+    code, err = train_in_process(capsys, *TINY, "--pipeline-schedule", "rrfp", "--rrfp-buffer-limit", "0")
+    assert code != 0
+    assert "--rrfp-buffer-limit" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_impossible_layouts_fail_before_starting_ranks(capsys):
+    code, err = train_in_process(capsys, *TINY, "--pipeline-schedule", "rrfp", "--global-batch-size", "7")
+    assert code == 2 and "--global-batch-size 7" in err
+    code, err = train_in_process(capsys, "--cpu", "--nproc", "3", "--pipeline-model-parallel-size", "2")
+    assert code == 2 and "world size 3 is not divisible by TP x PP = 1 x 2" in err
+
+
+@pytest.mark.timeout(200)
+def test_train_iters_1_with_every_other_default_trains_one_iteration_and_prints_no_python_warning():
+    """Issue 31: Megatron-LM's default warmup (0) lets --train-iters 1 train; with the
+    caller's warning choice unset (as a user runs it), no Python warning reaches the output
+    (megatron-core's notes and torch's deprecation of what it calls fold into one line)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, "-m", "megatron_rrfp.cli", "train", "--cpu", "--nproc", "2",
+                             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "rrfp", "--train-iters", "1",
+                             "--log-interval", "1", "--timing-log-level", "2"],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.findall(r"iteration\s+(\d+)/\s*(\d+) \|", result.stdout) == [("1", "1")], result.stdout
+    output = result.stdout + result.stderr
+    assert not re.search(r"\w+Warning\b|warnings\.warn", output), output
+    assert output.count("megatron-rrfp: Transformer Engine and Apex are not installed") == 1
 
 
 # --------------------------------------------------------------------------- in-process
@@ -314,3 +344,27 @@ def test_collective_timeout_must_exceed_rrfp_timeout_plus_margin():
     validate_rrfp_arguments(megatron_lm)
     assert megatron_lm.distributed_timeout_minutes == 30  # 900 s + 900 s, in whole minutes
     assert from_args(build_parser().parse_args(TINY)).distributed_timeout_minutes == 10  # 1f1b: untouched
+
+
+@pytest.mark.parametrize("flags", [
+    ["--train-iters", "1"], ["--train-iters", "2"], ["--lr", "1e-5"], ["--lr", "0"],
+    ["--pipeline-model-parallel-size", "3"], ["--pipeline-model-parallel-size", "8"],
+    ["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size", "8"], ["--micro-batch-size", "3"],
+    ["--hidden-size", "50"], ["--hidden-size", "8"], ["--num-attention-heads", "3"], ["--num-layers", "3"],
+    ["--num-experts", "1"], ["--num-experts", "3"], ["--vocab-size", "100"], ["--global-batch-size", "6"],
+    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3"]])
+def test_every_default_is_valid_whatever_one_other_flag_is(flags):
+    """Issue 31: a default never refuses a value the user gave for another flag (Megatron-LM's
+    warmup 0 and min-lr 0; layers, heads, width, vocabulary and global batch follow TP / PP / DP)."""
+    from megatron_rrfp.train.config import check_layout, from_args, validate
+    from megatron_rrfp.train.driver import build_parser
+
+    config = from_args(build_parser().parse_args(["--cpu", *flags]))
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    assert config.num_layers % pp == 0 and config.num_attention_heads % tp == 0 and config.vocab_size % tp == 0
+    assert config.hidden_size % config.num_attention_heads == 0 and config.lr_warmup_iters < config.train_iters
+    for dp in (1, 2, 3) if "--global-batch-size" not in flags else (1,):
+        sized = from_args(build_parser().parse_args(["--cpu", *flags]))
+        assert check_layout(sized, tp * pp * dp) == dp
+        validate(sized, world_size=tp * pp * dp)
+        assert sized.global_batch_size % (sized.micro_batch_size * dp) == 0

@@ -169,7 +169,9 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
         blockers = wgrad.deferral_blockers(models)
         if blockers:
             more = f" (+{len(blockers) - 1} more)" if len(blockers) > 1 else ""
-            print(f"megatron-rrfp: the default policy runs without the B/W split for this model: {blockers[0]}{more}",
+            cause = ("with this megatron-core release" if blockers[0] == wgrad.split_self_check()
+                     else "for this model")  # the release's own linear failed the self-check, or this model's layers
+            print(f"megatron-rrfp: the default policy runs without the B/W split {cause}: {blockers[0]}{more}",
                   flush=True)
         _SPLIT_BLOCKERS[models[0]] = not all_stages(not blockers)
     if not _SPLIT_BLOCKERS[models[0]]:

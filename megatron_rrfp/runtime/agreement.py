@@ -49,6 +49,7 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..dist.collectives import all_gather_single
 from ..policy.actions import Task, all_tasks
 
 _HEAD_WORDS = 3  # dispatched count, rolling hash of the dispatched sequence, post time (ns)
@@ -83,7 +84,7 @@ class GlooCollective:
 
     def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         flat = torch.empty(self.size * mine.numel(), dtype=mine.dtype)
-        dist.all_gather_into_tensor(flat, mine, group=self.group)
+        all_gather_single(flat, mine, group=self.group)
         return flat.view(self.size, mine.numel())
 
     def broadcast(self, value: torch.Tensor) -> torch.Tensor:

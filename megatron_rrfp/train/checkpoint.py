@@ -108,6 +108,7 @@ def load(directory: str, *, iteration: Optional[int], model, optimizer, schedule
     if not os.path.isfile(path):
         raise ValueError(f"--load {directory!r}: {path} is missing (saved with fewer ranks, or another iteration?)")
     state = _read(path, directory)
+    check_same_pattern(directory, state["layout"], layout)
     if state["layout"] != layout:
         raise ValueError(f"--load {directory!r}: saved with layout {state['layout']}, this run has {layout}; "
                          "checkpoints load only into the same world size / TP / PP / model sizes")
@@ -116,6 +117,15 @@ def load(directory: str, *, iteration: Optional[int], model, optimizer, schedule
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return Resumed(iteration=state["iteration"], consumed_samples=state["consumed_samples"], path=path)
+
+
+def check_same_pattern(directory: str, saved: dict, layout: dict) -> None:
+    """A hybrid model's layers are its --hybrid-layer-pattern: another pattern is another
+    model (no format reshards it), refused in one line before anything loads."""
+    was, now = saved.get("hybrid_layer_pattern"), layout.get("hybrid_layer_pattern")
+    if (was or now) and was != now:
+        raise ValueError(f"--load {directory!r}: saved with --hybrid-layer-pattern {was!r}, this run has {now!r}; "
+                         "resume with the pattern it was saved with")
 
 
 _KEYS = ("iteration", "consumed_samples", "layout", "model", "optimizer", "scheduler", "rng")

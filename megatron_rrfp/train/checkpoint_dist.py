@@ -103,6 +103,7 @@ def load(directory: str, *, iteration: Optional[int], model, optimizer, schedule
             raise ValueError(f"--load {directory!r}: no {checkpoint.TRACKER} there (nothing saved yet?)")
     path = checkpoint.iteration_dir(directory, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
+    checkpoint.check_same_pattern(directory, common.get("layout") or {}, layout)
     state = _sharded_state(model, optimizer, layout=layout, loading=True)
     same_layout = common.get("layout") == layout
     if not same_layout:  # model and optimizer reshard; per-rank RNG states do not

@@ -42,13 +42,18 @@ class TrainConfig:
     hybrid_layer_pattern: Optional[str] = _flag(None, "--model hybrid: one symbol per layer, * attention, - MLP, with "
                                                 "| between pipeline stages (e.g. '*-*-|*-*-'); sets the layer count "
                                                 "(--num-layers is not used)", "model", type=str)
-    num_layers: int = _flag(4, "decoder layers, split evenly over pipeline stages (and their model chunks with "
-                            "--virtual-pipeline-model-parallel-size)", "model")
-    hidden_size: int = _flag(64, "decoder width", "model")
-    num_attention_heads: int = _flag(4, "attention heads (divisible by the tensor-parallel size)", "model")
+    num_layers: Optional[int] = _flag(None, "decoder layers, split evenly over pipeline stages and their model "
+                                      "chunks with --virtual-pipeline-model-parallel-size (default 4, rounded up to a "
+                                      "multiple of PP x chunks)", "model", type=int)
+    hidden_size: Optional[int] = _flag(None, "decoder width (default 64, or 16 per head where there are more heads)",
+                                       "model", type=int)
+    num_attention_heads: Optional[int] = _flag(None, "attention heads, divisible by the tensor-parallel size (default "
+                                               "4, rounded up to a multiple of --tensor-model-parallel-size)",
+                                               "model", type=int)
     ffn_hidden_size: Optional[int] = _flag(None, "MLP width (default 4 x hidden size)", "model", type=int)
     seq_length: int = _flag(64, "tokens per sample (images included for multimodal)", "model")
-    vocab_size: int = _flag(256, "vocabulary size (divisible by the tensor-parallel size)", "model")
+    vocab_size: Optional[int] = _flag(None, "vocabulary size, divisible by the tensor-parallel size (default 256, "
+                                      "rounded up to a multiple of --tensor-model-parallel-size)", "model", type=int)
     vision_num_layers: Optional[int] = _flag(None, "multimodal: ViT layers (recipe default)", "model", type=int)
     vision_hidden_size: Optional[int] = _flag(None, "multimodal: ViT width; its MLP is 4x (recipe default)", "model",
                                               type=int)
@@ -69,14 +74,16 @@ class TrainConfig:
         "args.virtual_pipeline_model_parallel_size; default: one chunk", "parallelism", type=int,
         aliases=("--num-virtual-stages-per-pipeline-rank",))
     micro_batch_size: int = _flag(2, "samples per micro-batch", "parallelism")
-    global_batch_size: int = _flag(8, "samples per iteration; micro-batches per iteration = global / (micro x DP)",
-                                   "parallelism")
+    global_batch_size: Optional[int] = _flag(None, "samples per iteration; micro-batches per iteration = global / "
+                                             "(micro x DP) (default: 4 micro-batches per data-parallel rank)",
+                                             "parallelism", type=int)
     # mixture of experts (Megatron-LM's flags; see builders.moe_options)
     num_experts: Optional[int] = _flag(None, "MoE: experts per MLP layer (SequentialMLP, local spec); default: dense",
                                        "mixture of experts", type=int)
     expert_model_parallel_size: int = _flag(1, "MoE: expert-parallel degree (divides the data-parallel size and "
                                             "--num-experts)", "mixture of experts")
-    moe_router_topk: int = _flag(2, "MoE: experts per token", "mixture of experts")
+    moe_router_topk: Optional[int] = _flag(None, "MoE: experts per token (default 2, at most --num-experts)",
+                                           "mixture of experts", type=int)
     moe_token_dispatcher_type: str = _flag("allgather", "MoE: token dispatcher", "mixture of experts",
                                            choices=("allgather", "alltoall"))
     moe_aux_loss_coeff: float = _flag(0.0, "MoE: load-balancing aux-loss coefficient", "mixture of experts")
@@ -97,8 +104,8 @@ class TrainConfig:
     # optimisation
     train_iters: int = _flag(20, "iterations to train (the cosine decay spans them)", "optimizer")
     lr: float = _flag(1e-3, "peak learning rate (Adam)", "optimizer")
-    min_lr: float = _flag(1e-4, "learning rate at the end of the cosine decay", "optimizer")
-    lr_warmup_iters: int = _flag(2, "linear warmup from 0, in iterations", "optimizer")
+    min_lr: float = _flag(0.0, "learning rate at the end of the cosine decay (Megatron-LM's default)", "optimizer")
+    lr_warmup_iters: int = _flag(0, "linear warmup from 0, in iterations (Megatron-LM's default)", "optimizer")
     weight_decay: float = _flag(0.01, "decoupled weight decay (constant)", "optimizer")
     clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: off)", "optimizer")
     seed: int = _flag(1234, "seed of weights, synthetic data and RNGs", "optimizer")
@@ -159,16 +166,33 @@ class TrainConfig:
     rrfp_trace_dir: Optional[str] = _shared(None)
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 
+    def __post_init__(self) -> None:
+        """Defaults that depend on other flags, so that each default is valid whatever else is given."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.num_layers is None:
+            vpp = self.virtual_pipeline_model_parallel_size
+            stages = pp * (vpp if isinstance(vpp, int) and vpp > 0 else 1) if isinstance(pp, int) and pp > 0 else 1
+            self.num_layers = _round_up(4, stages)
+        if self.num_attention_heads is None:
+            self.num_attention_heads = _default_heads(tp if isinstance(tp, int) and tp > 0 else 1, self.hidden_size)
+        if self.hidden_size is None:
+            heads = self.num_attention_heads
+            self.hidden_size = 64 if not isinstance(heads, int) or heads <= 0 or 64 % heads == 0 else 16 * heads
+        if self.vocab_size is None:
+            self.vocab_size = _round_up(256, tp) if isinstance(tp, int) and tp > 0 else 256
+        if self.moe_router_topk is None:
+            self.moe_router_topk = min(2, self.num_experts) if isinstance(self.num_experts, int) else 2
+
 
 _SIZE = integer(1, 1 << 24)
 _OPTIONAL_SIZE = integer(1, 1 << 24, optional=True)
 BOUNDS: dict[str, Bound] = {
     **{name: _SIZE for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                                "global_batch_size", "log_interval")},
+                                "log_interval")},
     **{name: _OPTIONAL_SIZE for name in ("ffn_hidden_size", "vision_num_layers", "vision_hidden_size",
                                          "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
-                                         "max_images", "save_interval")},
+                                         "max_images", "save_interval", "global_batch_size")},
     "images_per_sample": bound(0, 1e3),
     "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
     "num_experts": integer(1, 1 << 16, optional=True), "expert_model_parallel_size": _SIZE,
@@ -255,7 +279,7 @@ def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     _require(c.model == "hybrid" or c.num_layers % pp == 0,
              f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     _check_interleaving(c)
-    _require(c.global_batch_size % c.micro_batch_size == 0,
+    _require(c.global_batch_size is None or c.global_batch_size % c.micro_batch_size == 0,
              f"--global-batch-size {c.global_batch_size} is not a multiple of --micro-batch-size {c.micro_batch_size}")
     _require(0 <= c.lr_warmup_iters < c.train_iters,
              f"--lr-warmup-iters {c.lr_warmup_iters} must be >= 0 and < --train-iters {c.train_iters}")
@@ -306,6 +330,8 @@ def check_layout(c: TrainConfig, world_size: int) -> int:
     _require(world_size % (tp * pp) == 0,
              f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}")
     dp = world_size // (tp * pp)
+    if c.global_batch_size is None:  # the default, now that DP is known
+        c.global_batch_size = 4 * c.micro_batch_size * dp
     _require(dp % c.expert_model_parallel_size == 0,
              f"--expert-model-parallel-size {c.expert_model_parallel_size} does not divide the data-parallel size {dp} "
              f"(world size {world_size} / TP x PP)")
@@ -372,9 +398,22 @@ def _check_moe(c: TrainConfig) -> None:
     if experts is None:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
         return
-    _require(c.model == "gpt", "--num-experts is offered for --model gpt")
+    _require(c.model in ("gpt", "hybrid"), "--num-experts is offered for --model gpt and hybrid (E layers)")
     _require(experts % ep == 0, f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(c.moe_router_topk <= experts, f"--moe-router-topk {c.moe_router_topk} exceeds --num-experts {experts}")
+
+
+def _default_heads(tp: int, hidden: Optional[int]) -> int:
+    """4 heads, rounded up to a multiple of TP; with --hidden-size given, the first such count that divides it."""
+    first = _round_up(4, tp)
+    if not isinstance(hidden, int) or hidden <= 0:
+        return first
+    return next((h for h in range(first, hidden + 1, tp) if hidden % h == 0), tp)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value`` (the multiple itself when larger)."""
+    return -(-value // multiple) * multiple
 
 
 def _require(condition: bool, message: str) -> None:

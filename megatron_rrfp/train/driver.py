@@ -181,6 +181,17 @@ def setup(cfg: TrainConfig):
     return device, dp
 
 
+def checkpoint_layout(cfg: TrainConfig, world_size: int) -> dict:
+    """What a checkpoint records of the run it came from; a resume needs the same (the
+    hybrid pattern only for --model hybrid, so earlier GPT checkpoints still load)."""
+    layout = {"world_size": world_size, **{k: getattr(cfg, k) for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "model", "num_layers", "hidden_size",
+        "num_attention_heads", "vocab_size", "seq_length")}}
+    if cfg.model == "hybrid":
+        layout["hybrid_layer_pattern"] = cfg.hybrid_layer_pattern
+    return layout
+
+
 def build(cfg: TrainConfig, device, dp: int) -> Run:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -192,9 +203,7 @@ def build(cfg: TrainConfig, device, dp: int) -> Run:
     model = builders.build_model(cfg, device)
     model[0].config.timers = timers  # the schedules' forward-backward / -compute timers (config shared by chunks)
     optimizer, scheduler = builders.build_optimizer(cfg, model, timers)
-    layout = {"world_size": dist.get_world_size(), **{k: getattr(cfg, k) for k in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "model", "num_layers", "hidden_size",
-        "num_attention_heads", "vocab_size", "seq_length")}}
+    layout = checkpoint_layout(cfg, dist.get_world_size())
     num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * dp)
     meter = in_flight = None
     if cfg.pipeline_schedule != "rrfp":  # measure Megatron's schedule from outside, like bench does

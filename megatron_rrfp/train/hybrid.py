@@ -9,8 +9,8 @@ starts; megatron-core is not imported.
 from __future__ import annotations
 
 PIPE = "|"
-TRAINED = {"*": "attention", "-": "MLP"}
-"""Symbols this driver builds (local megatron-core layers, mcore/hybrid_spec.py)."""
+TRAINED = {"*": "attention", "-": "MLP", "E": "MoE"}
+"""Symbols this driver builds (local megatron-core layers, mcore/hybrid_spec.py); E with --num-experts."""
 NEEDS_CUDA = {"M": "Mamba", "G": "Gated DeltaNet", "D": "DeepSeek sparse attention", "+": "MLA"}
 """Megatron's other layer symbols: their kernels need CUDA (mamba-ssm, flash-linear-attention, TE)."""
 MOE = "E"
@@ -40,12 +40,15 @@ def check_hybrid(c) -> None:
         if symbol in NEEDS_CUDA and c.cpu:
             raise ValueError(f"{flag}: {symbol} ({NEEDS_CUDA[symbol]}) layers need CUDA kernels; on CPU (--cpu) "
                              "use * (attention) and - (MLP)")
-        if symbol == MOE:
-            raise ValueError(f"{flag}: E (MoE) layers need megatron-core's MoE settings, which megatron-rrfp train "
-                             "does not set; use * (attention) and - (MLP)")
+        if symbol == MOE and not c.num_experts:
+            raise ValueError(f"{flag}: E (MoE) layers need --num-experts N (and, optionally, "
+                             "--expert-model-parallel-size, --moe-router-topk, ...: the MoE flags of --model gpt)")
         if symbol not in TRAINED and symbol not in NEEDS_CUDA:
-            raise ValueError(f"{flag}: unknown layer symbol {symbol!r}; use * (attention), - (MLP), | between "
-                             "pipeline stages")
+            raise ValueError(f"{flag}: unknown layer symbol {symbol!r}; use * (attention), - (MLP), E (MoE), | "
+                             "between pipeline stages")
+    if c.num_experts and MOE not in pattern:
+        raise ValueError(f"--num-experts {c.num_experts} with {flag}: no E (MoE) layer to give experts; add E "
+                         "layers or drop --num-experts")
     segments = pattern.split(PIPE)
     if len(segments) != pp:
         raise ValueError(f"{flag} has {len(segments)} pipeline segment(s) but --pipeline-model-parallel-size is {pp}: "

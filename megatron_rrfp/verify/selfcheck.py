@@ -46,12 +46,11 @@ import os
 import random
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict
 
 from .selfcheck_loopback import MLPWork, TokenWork, check_finals, loopback_pipeline
 from .selfcheck_result import Result
+from .selfcheck_runner import Outcome, run_steps
 from .selfcheck_te import TE_STEPS
 
 STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory")
@@ -353,47 +352,43 @@ def main(argv=None) -> int:
     torch.cuda.set_device(local)
     import torch.distributed as dist
 
-    if world > 1:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    store = None
+    if world > 1:  # the rendezvous store carries every rank's failures and results (selfcheck_runner)
+        store, _, _ = next(dist.rendezvous("env://"))
+        dist.init_process_group("nccl", store=store, rank=int(os.environ["RANK"]), world_size=world,
+                                device_id=torch.device("cuda", local))
     rank = dist.get_rank() if world > 1 else 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     faulthandler.enable()
     ctx = {"world": world, "rank": rank, "seed": args.seed, "stall_timeout_s": args.stall_timeout}
-    results = []
     order = [s for s in STEPS if s in steps]  # one-context last: after every thread ran
-    for step in order:
+
+    def skip(step: str):
         need = GPUS_NEEDED.get(step, 1)
         if world < need or world % need:
-            results.append(Result(step, "SKIP", f"needs a multiple of {need} GPUs (here {world}): "
-                                                f"torchrun --nproc-per-node {need} (or 8)"))
-        else:
-            faulthandler.dump_traceback_later(args.step_timeout, exit=True)  # a hang prints every thread's stack
-            try:
-                results.append(STEP_FUNCTIONS[step](ctx))
-            except BaseException as exc:  # noqa: BLE001 - a failed step, reported
-                where = traceback.extract_tb(exc.__traceback__)[-1]
-                results.append(Result(step, "FAIL",
-                                      f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"))
-            finally:
-                faulthandler.cancel_dump_traceback_later()
-        if rank == 0 or step in STEPS_ONE_GPU or step == "one-context":
-            r = results[-1]
-            print(f"[rank {rank}] {r.status:4} {r.step}: {r.detail}", flush=True)
+            return Result(step, "SKIP", f"needs a multiple of {need} GPUs (here {world}): "
+                                        f"torchrun --nproc-per-node {need} (or 8)")
+        return None
+
+    outcome = run_steps(order, STEP_FUNCTIONS, ctx, store=store, multi_rank=set(STEPS_MULTI_GPU), skip=skip,
+                        step_timeout_s=args.step_timeout, finish=lambda o: report(o, rank=rank, world=world,
+                                                                                  json_path=args.json))
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, [asdict(r) for r in results])
         dist.destroy_process_group()
-    else:
-        gathered = [[asdict(r) for r in results]]
-    failed = [(r, x["step"]) for r, xs in enumerate(gathered) for x in xs if x["status"] == "FAIL"]
-    if rank == 0:
-        print(f"gpu_selfcheck: {'FAIL' if failed else 'PASS'}"
-              + (f" ({', '.join(f'{s} on rank {r}' for r, s in failed)})" if failed else ""), flush=True)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump({"world": world, "ranks": gathered, "failed": bool(failed)}, handle, indent=1)
-    return 1 if failed else 0
+    return 1 if outcome.failed else 0
 
 
-__all__ = ["STEPS", "Result", "main"]
+def report(outcome: Outcome, *, rank: int, world: int, json_path) -> None:
+    """Rank 0: the verdict line (naming each failed step and rank) and the JSON."""
+    if rank != 0:
+        return
+    failed = outcome.failed
+    print(f"gpu_selfcheck: {'FAIL' if failed else 'PASS'}"
+          + (f" ({', '.join(f'{s} on rank {r}' for r, s in failed)})" if failed else ""), flush=True)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            json.dump({"world": world, "ranks": outcome.gathered, "failed": bool(failed)}, handle, indent=1)
+
+
+__all__ = ["STEPS", "Result", "main", "report"]
