@@ -6,7 +6,7 @@ megatron-core's minor runs, the others skip with the reason, and without ``MEGAT
 everything skips. A tree is copied to a temporary directory first (Megatron builds its
 dataset helpers inside it at start-up, with the Makefile's ``python3`` / ``python3-config``:
 the venv's bin goes first on PATH and, under pyenv, ``PYENV_VERSION`` defaults to this
-interpreter's version). Ranks run from outside the checkout, 4 per launch (torchrun
+interpreter's version). Ranks run from outside the checkout, 4 per launch (pretrain_vlm.py: 2) (torchrun
 ``--standalone``), on CPU over gloo.
 
   pretrain_gpt.py     TP=2 x PP=2, RRFP's default hint vs Megatron's 1F1B: the same losses
@@ -14,7 +14,7 @@ interpreter's version). Ranks run from outside the checkout, 4 per launch (torch
                       and PP=2 x 2 model chunks (four '|' segments: Megatron's interleaved
                       schedule); rrfp's losses equal Megatron's
   pretrain_vlm.py     LLaVAModel (CLIP ViT + projection on stage 0, image tokens spliced into
-                      the decoder's sequence), TP=2 x PP=2: losses and grad norms (from the
+                      the decoder's sequence), PP=2 (2 ranks): losses and grad norms (from the
                       tensorboard event file) equal 1F1B's, the split active
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ CASES = {  # id: (script, flags)
     "hybrid-pp2-2chunks": ("pretrain_hybrid.py", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern",
                                                   "*-|*-|*-|*-", *HYBRID_SPEC]),
     # the rest of LLaVA's matrix (PP2/PP4 x TP1/TP2, both trees): scripts/pretrain_vlm_rrfp_matrix.py
-    "vlm-tp2-pp2": ("pretrain_vlm.py", [*TP2_PP2, "--num-layers", "4", *VLM]),
+    "vlm-pp2": ("pretrain_vlm.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4", *VLM]),
 }
 LAUNCH_TIMEOUT_S = 900
 
@@ -63,7 +63,7 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
         pytest.skip(hybrid_model_unavailable() or f"{tree.name} has no {script}")
     vlm = script == "pretrain_vlm.py"
     runs = {schedule: pretrain(tree, script, flags, ["--pipeline-schedule", schedule], tmp_path,
-                               timeout=LAUNCH_TIMEOUT_S, tensorboard=tmp_path / schedule if vlm else None)
+                               nproc=2 if vlm else 4, timeout=LAUNCH_TIMEOUT_S, tensorboard=tmp_path / schedule if vlm else None)
             for schedule in ("rrfp", "1f1b")}
     rrfp, reference = runs["rrfp"], runs["1f1b"]
     print(f"{tree.name} {case}: rrfp {rrfp['loss']} {rrfp['grad_norm']} "
