@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for tree in args.trees:
         if not (Path(tree) / "pretrain_vlm.py").is_file():
             p.error(f"{tree}: no pretrain_vlm.py (expected a Megatron-LM source tree)")
-        minor = "%d.%d" % release(tree)
+        minor = ".".join(map(str, release(tree)))
         if minor not in pythons:
             p.error(f"{tree} is Megatron-LM {minor}: name its interpreter with --python {minor}=PATH")
     return args
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
           "losses (rrfp)  grad norms (rrfp)", flush=True)
     with tempfile.TemporaryDirectory(prefix="rrfp-vlm-") as tmp:
         for source in args.trees:
-            minor = "%d.%d" % release(source)
+            minor = ".".join(map(str, release(source)))
             python = args.pythons[minor]
             if _installed_minor(python) != minor:
                 print(f"{source}: {python} has megatron-core {_installed_minor(python)}, not {minor}", flush=True)

@@ -63,7 +63,8 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
         pytest.skip(hybrid_model_unavailable() or f"{tree.name} has no {script}")
     vlm = script == "pretrain_vlm.py"
     runs = {schedule: pretrain(tree, script, flags, ["--pipeline-schedule", schedule], tmp_path,
-                               nproc=2 if vlm else 4, timeout=LAUNCH_TIMEOUT_S, tensorboard=tmp_path / schedule if vlm else None)
+                               nproc=2 if vlm else 4, timeout=LAUNCH_TIMEOUT_S,
+                               tensorboard=tmp_path / schedule if vlm else None)
             for schedule in ("rrfp", "1f1b")}
     rrfp, reference = runs["rrfp"], runs["1f1b"]
     print(f"{tree.name} {case}: rrfp {rrfp['loss']} {rrfp['grad_norm']} "
