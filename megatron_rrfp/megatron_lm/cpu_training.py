@@ -64,8 +64,8 @@ def enable_cpu_training() -> bool:
     if megatron_arguments_module() is not None:
         _initialize_without_cuda()
         _skip_fused_kernels()
-    _clip_grads_on_cpu()
-    _vit_norm_without_te()
+        _clip_grads_on_cpu()
+        _vit_norm_without_te()
     _cpu_training = True
     return True
 
