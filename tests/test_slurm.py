@@ -110,6 +110,17 @@ def _run(*command: str) -> None:
     assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
 
 
+def _submit(script: Path, name: str, tmp_path: Path, env: dict) -> Job:
+    """One CPU-mode job of 2 tasks on the localhost node, its output in tmp_path."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
+         "--export=ALL", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    return Job(job_id, tmp_path / f"slurm-{job_id}.out")
+
+
 @pytest.mark.timeout(START_TIMEOUT_S + 4 * PHASE_TIMEOUT_S + 120)
 def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(localhost_slurm, tmp_path):
     from megatron_rrfp.goodput import goodput_report
@@ -117,13 +128,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(loc
     out = tmp_path / "out"
     env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore",
            "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL)}
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={JOB_NAME}", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
-         "--export=ALL", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    job = Job(job_id, tmp_path / f"slurm-{job_id}.out")
+    job = _submit(SBATCH, JOB_NAME, tmp_path, env)
     try:
         # 1. SIGUSR1 (as --signal=USR1@120 sends it): save, exit 0, the script requeues the job
         first = job.wait_for(rf"saved checkpoint at iteration {SAVE_INTERVAL} ")
@@ -185,13 +190,7 @@ def test_the_multimodal_script_runs_megatron_lms_pretrain_vlm(request, tmp_path)
            "MEGATRON_LM": str(copy), "TRAIN_ITERS": str(iters), "SAVE_INTERVAL": "1000", "PYTHON": sys.executable,
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     env.setdefault("PYENV_VERSION", ".".join(map(str, sys.version_info[:3])))  # python3-config for the helpers
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=rrfp-ci-vlm", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
-         "--export=ALL", str(MULTIMODAL_SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    job = Job(job_id, tmp_path / f"slurm-{job_id}.out")
+    job = _submit(MULTIMODAL_SBATCH, "rrfp-ci-vlm", tmp_path, env)
     try:
         job.wait_for(r"^rrfp: done; checkpoints, ledger", timeout=2 * PHASE_TIMEOUT_S)
         final = job.wait_until_gone()
