@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import Bound, integer
+
 
 def image_tokens(img_h: int, img_w: int, patch_dim: int, class_token: bool = True) -> int:
     """Image tokens per sample: CLIP's patches plus its class token (get_num_image_embeddings
@@ -63,22 +65,35 @@ def llava_shape(*, img_h: int, img_w: int, patch_dim: int, seq_length: int, hidd
     return LlavaShape(tokens, decoder_seq, encoder / stage)
 
 
+BOUNDS: dict[str, Bound] = {
+    "--img-h": integer(1, 1 << 16, optional=True), "--img-w": integer(1, 1 << 16, optional=True),
+    "--patch-dim": integer(1, 1 << 16), "--encoder-num-layers": integer(0, 1 << 12),
+    "--decoder-num-layers": integer(1, 1 << 12), "--seq-length": integer(1, 1 << 24),
+    "--hidden-size": integer(1, 1 << 20),
+}
+"""Accepted ranges of the LLaVA flags (``simulate`` has all; ``bench`` its own --seq-length
+and --hidden-size)."""
+MODEL_SIZE_FLAGS = ("--seq-length", "--hidden-size")
+
+
 def add_llava_arguments(group, *, model_sizes: bool) -> None:
     """--img-h/--img-w/--patch-dim (Megatron-LM's names) and the layer counts they are weighed
     with; ``model_sizes`` adds --seq-length and --hidden-size (the bench has its own)."""
-    group.add_argument("--img-h", type=int, default=None,
+    group.add_argument("--img-h", type=BOUNDS["--img-h"].parse, default=None,
                        help="LLaVA (pretrain_vlm.py): image height; with --img-w and --patch-dim sets the image "
                             "tokens per sample and stage 0's encoder cost")
-    group.add_argument("--img-w", type=int, default=None, help="LLaVA: image width (default: --img-h)")
-    group.add_argument("--patch-dim", type=int, default=14, help="LLaVA: ViT patch side (default %(default)s)")
-    group.add_argument("--encoder-num-layers", type=int, default=24,
+    group.add_argument("--img-w", type=BOUNDS["--img-w"].parse, default=None,
+                       help="LLaVA: image width (default: --img-h)")
+    group.add_argument("--patch-dim", type=BOUNDS["--patch-dim"].parse, default=14,
+                       help="LLaVA: ViT patch side (default %(default)s)")
+    group.add_argument("--encoder-num-layers", type=BOUNDS["--encoder-num-layers"].parse, default=24,
                        help="LLaVA: ViT layers on stage 0 (default %(default)s, CLIP ViT-L)")
-    group.add_argument("--decoder-num-layers", type=int, default=32,
+    group.add_argument("--decoder-num-layers", type=BOUNDS["--decoder-num-layers"].parse, default=32,
                        help="LLaVA: decoder layers over all stages (default %(default)s)")
     if model_sizes:
-        group.add_argument("--seq-length", type=int, default=2048,
+        group.add_argument("--seq-length", type=BOUNDS["--seq-length"].parse, default=2048,
                            help="LLaVA: text tokens per sample (default %(default)s)")
-        group.add_argument("--hidden-size", type=int, default=4096,
+        group.add_argument("--hidden-size", type=BOUNDS["--hidden-size"].parse, default=4096,
                            help="LLaVA: decoder (and ViT) hidden size (default %(default)s)")
 
 
