@@ -127,7 +127,8 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(loc
 
     out = tmp_path / "out"
     env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore",
-           "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL)}
+           "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL), "PYTHON": sys.executable}
+    env.pop("MEGATRON_LM", None)  # the project's own driver (the suite may run with MEGATRON_LM set)
     job = _submit(SBATCH, JOB_NAME, tmp_path, env)
     try:
         # 1. SIGUSR1 (as --signal=USR1@120 sends it): save, exit 0, the script requeues the job
