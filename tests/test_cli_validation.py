@@ -21,6 +21,7 @@ from megatron_rrfp.bench.run import BenchConfig
 from megatron_rrfp.checks import BUFFER_LIMIT, TIMEOUT_S, Bound, LimitBound
 from megatron_rrfp.cli import main
 from megatron_rrfp.goodput.cli import BINS
+from megatron_rrfp.sim import llava
 from megatron_rrfp.sim.study import StudyConfig
 from megatron_rrfp.sim.variability import Variability
 from megatron_rrfp.train import config as train_config
@@ -34,10 +35,13 @@ def _flags(bounds: dict[str, Bound], flags: dict[str, str]) -> list[tuple[str, B
 
 _WORKLOAD = _flags(Variability.BOUNDS, Variability.FLAGS)
 _SIM_ONLY = {"--sigma-compute", "--backward-ratio", "--c50", "--sigma-msg"}
+_LLAVA = list(llava.BOUNDS.items())  # bench and demo: their own --seq-length / --hidden-size
+_WORKLOAD_BENCH = [f for f in _WORKLOAD if f[0] not in _SIM_ONLY] + [f for f in _LLAVA
+                                                                     if f[0] not in llava.MODEL_SIZE_FLAGS]
 NUMERIC_FLAGS = {
-    "simulate": _flags(StudyConfig.BOUNDS, StudyConfig.FLAGS) + _WORKLOAD,
-    "bench": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + [f for f in _WORKLOAD if f[0] not in _SIM_ONLY],
-    "demo": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + [f for f in _WORKLOAD if f[0] not in _SIM_ONLY],
+    "simulate": _flags(StudyConfig.BOUNDS, StudyConfig.FLAGS) + _WORKLOAD + _LLAVA,
+    "bench": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + _WORKLOAD_BENCH,
+    "demo": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + _WORKLOAD_BENCH,
     "train": _flags(train_config.BOUNDS, train_config.FLAGS) + [("--rrfp-buffer-limit", BUFFER_LIMIT),
                                                                 ("--rrfp-timeout", TIMEOUT_S)],
     "goodput": [("--bins", BINS)],

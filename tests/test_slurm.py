@@ -14,6 +14,9 @@ stages over gloo, rrfp) is submitted once and then:
    same ledger, and finishes.
 
 The ledger then holds one job: three sessions, one disruption, every iteration kept once.
+With ``MEGATRON_LM`` (a Megatron-LM tree of the installed megatron-core's minor, as for
+tests/test_megatron_lm_e2e.py), the same SLURM then runs scripts/slurm/pretrain_multimodal_rrfp.sbatch
+on Megatron-LM's own pretrain_vlm.py (LLaVA, CPU mode, 2 pipeline stages, rrfp) to the end.
 Every step is bounded by a timeout.
 """
 from __future__ import annotations
@@ -22,22 +25,26 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers.megatron_lm import copy_tree, release
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "slurm" / "localhost_slurm.sh"
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt_rrfp.sbatch"
+MULTIMODAL_SBATCH = REPO / "scripts" / "slurm" / "pretrain_multimodal_rrfp.sbatch"
 START_TIMEOUT_S = 420  # includes apt-get update + install on a fresh machine
 PHASE_TIMEOUT_S = 180  # one run of the job: start-up (python, torch, megatron-core) and a few iterations
 TRAIN_ITERS, SAVE_INTERVAL = 40, 4
 JOB_NAME = "rrfp-ci-requeue"
 
 
-@pytest.fixture
-def localhost_slurm():
+@pytest.fixture(scope="module")
+def localhost_slurm():  # one localhost SLURM for the module's jobs: starting it is the slow part
     if os.geteuid() != 0:
         pytest.skip("needs root: starting a localhost SLURM (munged, slurmctld, slurmd) and installing it if missing")
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
@@ -103,20 +110,26 @@ def _run(*command: str) -> None:
     assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
 
 
+def _submit(script: Path, name: str, tmp_path: Path, env: dict) -> Job:
+    """One CPU-mode job of 2 tasks on the localhost node, its output in tmp_path."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
+         "--export=ALL", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    return Job(job_id, tmp_path / f"slurm-{job_id}.out")
+
+
 @pytest.mark.timeout(START_TIMEOUT_S + 4 * PHASE_TIMEOUT_S + 120)
 def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(localhost_slurm, tmp_path):
     from megatron_rrfp.goodput import goodput_report
 
     out = tmp_path / "out"
     env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore",
-           "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL)}
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={JOB_NAME}", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-         "--cpus-per-task=1", "--gpus-per-node=0", "--time=30", f"--output={tmp_path}/slurm-%j.out",
-         "--export=ALL", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    job = Job(job_id, tmp_path / f"slurm-{job_id}.out")
+           "TRAIN_ITERS": str(TRAIN_ITERS), "SAVE_INTERVAL": str(SAVE_INTERVAL), "PYTHON": sys.executable}
+    env.pop("MEGATRON_LM", None)  # the project's own driver (the suite may run with MEGATRON_LM set)
+    job = _submit(SBATCH, JOB_NAME, tmp_path, env)
     try:
         # 1. SIGUSR1 (as --signal=USR1@120 sends it): save, exit 0, the script requeues the job
         first = job.wait_for(rf"saved checkpoint at iteration {SAVE_INTERVAL} ")
@@ -154,3 +167,39 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(loc
     [disruption] = report.disruptions  # the SIGUSR1 stop was a clean end, not a disruption
     assert disruption.kind == "JobTerminated" and disruption.resumed_from == int(again.group(1))
     assert report.count("kept") == TRAIN_ITERS
+
+
+def _megatron_lm_tree() -> str | None:
+    from megatron_rrfp.mcore.compat import MEGATRON_CORE_VERSION
+
+    for tree in (t for t in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if t):
+        if release(tree) == MEGATRON_CORE_VERSION.release[:2] and (Path(tree) / "pretrain_vlm.py").is_file():
+            return tree
+    return None
+
+
+@pytest.mark.timeout(START_TIMEOUT_S + 2 * PHASE_TIMEOUT_S + 60)
+def test_the_multimodal_script_runs_megatron_lms_pretrain_vlm(request, tmp_path):
+    tree = _megatron_lm_tree()
+    if tree is None:
+        pytest.skip("set MEGATRON_LM to a Megatron-LM tree of the installed megatron-core's minor "
+                    "(e.g. /work/mlm/core_v0.16.1)")
+    request.getfixturevalue("localhost_slurm")  # after the skip: no SLURM started for nothing
+    copy = copy_tree(tree, tmp_path / "mlm")
+    out, iters = tmp_path / "out", 2
+    env = {**os.environ, "RRFP_CPU": "1", "RRFP_REPO": str(REPO), "RRFP_OUT": str(out), "PYTHONWARNINGS": "ignore",
+           "MEGATRON_LM": str(copy), "TRAIN_ITERS": str(iters), "SAVE_INTERVAL": "1000", "PYTHON": sys.executable,
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    env.setdefault("PYENV_VERSION", ".".join(map(str, sys.version_info[:3])))  # python3-config for the helpers
+    job = _submit(MULTIMODAL_SBATCH, "rrfp-ci-vlm", tmp_path, env)
+    try:
+        job.wait_for(r"^rrfp: done; checkpoints, ledger", timeout=2 * PHASE_TIMEOUT_S)
+        final = job.wait_until_gone()
+    finally:
+        subprocess.run(["scancel", job.id], capture_output=True, timeout=30)
+    log = job.text()
+    assert "JobState=COMPLETED" in final and "ExitCode=0:0" in final, final
+    assert f"megatron_lm={copy}" in log and f"{copy}/pretrain_vlm.py" in log, log[-4000:]
+    assert "megatron-rrfp: pipeline schedule rrfp" in log, log[-4000:]
+    assert re.findall(r"iteration\s+(\d+)/\s*\d+ \|[^\n]*? lm loss: ", log) == [str(i) for i in range(1, iters + 1)]
+    assert (out / "rrfp-ci-vlm" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)

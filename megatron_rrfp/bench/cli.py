@@ -6,6 +6,7 @@ import os
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..sim.cli import add_workload_arguments, workload_from_args
+from ..sim.llava import add_llava_arguments, llava_from_args
 
 
 def add_bench_parsers(sub) -> None:
@@ -37,6 +38,9 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--f0-ms", type=bounds["--f0-ms"], default=50.0,
                        help="emulated forward time per stage and microbatch")
         add_workload_arguments(p)
+        add_llava_arguments(p.add_argument_group("LLaVA's shapes (--model multimodal: image tokens in the real model, "
+                                                 "the ViT's cost on stage 0 in the emulated durations)"),
+                            model_sizes=False)
         p.add_argument("--iterations", type=bounds["--iterations"], default=5,
                        help="measured iterations (after warm-up)")
         p.add_argument("--warmup", type=bounds["--warmup"], default=1)
@@ -72,16 +76,26 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json!r}: its directory does not exist (checked now, not after the run)")
+    workload = workload_from_args(args)
+    llava = llava_from_args(args, args.pp, decoder_seq_length=args.seq_length)
+    if llava is not None:
+        if args.model != "multimodal" or (args.img_w or args.img_h) != args.img_h:
+            raise ValueError("--img-h/--img-w/--patch-dim need --model multimodal and square images (the bench's "
+                             "recipe, train/recipes/multimodal.py, takes one image side)")
+        workload.update(straggler_stage=0, straggler_factor=llava.stage0_factor)
+        print(f"LLaVA: {llava.image_tokens} image tokens per sample in --seq-length {args.seq_length}; ViT + "
+              f"projection = {llava.encoder_share:.2f} of a decoder stage: stage 0 x{llava.stage0_factor:.2f}")
     config = BenchConfig(
         model=args.model, pipeline_size=args.pp, num_chunks=args.chunks, tensor_parallel=args.tp,
         data_parallel=args.dp,
         num_microbatches=args.microbatches, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         hidden_size=args.hidden_size, schedules=[s.strip() for s in args.schedules.split(",") if s.strip()],
-        variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**workload_from_args(args)),
+        variability=args.variability, f0_ms=args.f0_ms, workload=Variability(**workload),
         iterations=args.iterations, warmup=args.warmup, interleave=args.interleave,
         seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
         goodput_ledger=args.goodput_ledger, sequence_parallel=args.sequence_parallel,
-        overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer)
+        overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer,
+        image_size=args.img_h if llava is not None else None, patch_dim=args.patch_dim)
     report = run_bench(config)
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "

@@ -88,6 +88,10 @@ class BenchConfig:
     no_sync / finalize_model_grads hooks), for every schedule alike."""
     use_distributed_optimizer: bool = False
     """DDP's distributed-optimizer layout (reduce-scatter); implies the DDP wrapping."""
+    image_size: Optional[int] = None
+    """multimodal: LLaVA's image side (--img-h); one image of (image_size / patch_dim)^2
+    tokens per sample instead of the recipe's default images (bench/stages.py)."""
+    patch_dim: int = 14
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "pipeline_size": integer(2, 256), "num_chunks": integer(1, 16), "tensor_parallel": integer(1, 64),
@@ -160,7 +164,11 @@ class BenchConfig:
             raise ValueError(f"--hidden-size must be a multiple of the tiny models' {self._HEADS} attention heads "
                              f"and --tp must divide them (1, 2 or 4); got --hidden-size {self.hidden_size}, "
                              f"--tp {self.tensor_parallel}")
-        if self.model == "multimodal" and self.seq_length <= 12:
+        if self.image_size is not None and (self.model != "multimodal" or self.image_size % self.patch_dim
+                                            or (self.image_size // self.patch_dim) ** 2 >= self.seq_length):
+            raise ValueError(f"--img-h {self.image_size} --patch-dim {self.patch_dim} need --model multimodal, a "
+                             f"multiple of the patch, and fewer patches than --seq-length {self.seq_length}")
+        if self.model == "multimodal" and self.image_size is None and self.seq_length <= 12:
             raise ValueError(f"--seq-length must be >= 13 with --model multimodal (3 images x 4 tokens leave room for "
                              f"text), got {self.seq_length}")
         if self.goodput_ledger is not None and os.path.isdir(self.goodput_ledger):

@@ -47,13 +47,19 @@ def build_stage(config):
     from ..train.recipes import multimodal
 
     spec = multimodal.MultimodalSpec(seq_length=config.seq_length)
+    if config.image_size is not None:  # LLaVA's shape: one image per sample, a token per patch
+        patches = (config.image_size // config.patch_dim) ** 2
+        spec = multimodal.MultimodalSpec(seq_length=config.seq_length, image_size=config.image_size,
+                                         patch_size=config.patch_dim, tokens_per_image=patches, max_images=1)
     tconfig = multimodal.multimodal_config(hidden_size=config.hidden_size)
     stage = multimodal.build_multimodal_stage(tconfig, spec, seed=config.seed)
 
+    # LLaVA: a Poisson count far above the cap of 1 gives every sample its image
+    mean = 100.0 if config.image_size is not None else max(config.workload.images_per_sample, 1.0)
+
     def data(seed: int):
         return multimodal.synthetic_multimodal_batches(
-            spec, seed=seed, micro_batch_size=config.micro_batch_size,
-            images_per_sample_mean=max(config.workload.images_per_sample, 1.0))
+            spec, seed=seed, micro_batch_size=config.micro_batch_size, images_per_sample_mean=mean)
     return stage, multimodal.multimodal_forward_step, data
 
 

@@ -36,6 +36,12 @@ from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_argume
 #   initialize_megatron                   called with allow_no_cuda=True
 #   fused kernels (<= 0.16)               not built (torch fallbacks are used; pass the
 #                                         --no-*-fusion flags)
+#   clip_grad_by_total_norm_fp32          asserts param.grad is a torch.cuda.FloatTensor; called
+#                                         through its decoupled_grad path (a dtype check only),
+#                                         so --clip-grad > 0 clips and logs the grad norm
+#   CLIPViTModel ln_pre/ln_post (no TE)   default torch.nn.LayerNorm is built with config=
+#                                         (LLaVA's ViT, pretrain_vlm.py); megatron-core's own
+#                                         WrappedTorchNorm, the local specs' norm, takes it
 
 _cpu_training = False
 
@@ -58,6 +64,8 @@ def enable_cpu_training() -> bool:
     if megatron_arguments_module() is not None:
         _initialize_without_cuda()
         _skip_fused_kernels()
+        _clip_grads_on_cpu()
+        _vit_norm_without_te()
     _cpu_training = True
     return True
 
@@ -197,3 +205,58 @@ def _skip_fused_kernels() -> None:
     except ImportError:  # 0.19+: nothing is built
         return
     fused_kernels.load = lambda args: None
+
+
+def _clip_grads_on_cpu() -> None:
+    """megatron-core's clipping on CPU grads: its only CUDA check is the type assertion on
+    ``param.grad``; the decoupled_grad branch checks the dtype instead and scales the
+    same tensors in place (grad and decoupled_grad are one tensor here)."""
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    if getattr(original, "_rrfp_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if use_decoupled_grad:
+            return original(parameters, max_norm, total_norm, use_decoupled_grad=True)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        lent = [p for p in params if p.grad is not None and getattr(p, "decoupled_grad", None) is None]
+        for param in lent:
+            param.decoupled_grad = param.grad
+        try:
+            return original(lent, max_norm, total_norm, use_decoupled_grad=True)
+        finally:
+            for param in lent:
+                del param.decoupled_grad
+
+    clip_grad_by_total_norm_fp32._rrfp_cpu = True
+    importlib.import_module("megatron.core.optimizer")  # load the modules that bind it by name
+    rebind_loaded("clip_grad_by_total_norm_fp32", original, clip_grad_by_total_norm_fp32)
+
+
+def _vit_norm_without_te() -> None:
+    """CLIPViTModel's ln_pre/ln_post default (torch.nn.LayerNorm without TE) becomes
+    megatron-core's WrappedTorchNorm, which takes the config= it is built with."""
+    try:
+        clip_vit = importlib.import_module("megatron.core.models.vision.clip_vit_model")
+    except ImportError:  # a megatron-core without the vision models
+        return
+    model = clip_vit.CLIPViTModel
+    original = model.__init__
+    if getattr(original, "_rrfp_cpu", False):
+        return
+    wrapped_norm = importlib.import_module("megatron.core.transformer.torch_norm").WrappedTorchNorm
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        for name in ("ln_pre_impl", "ln_post_impl"):
+            if bound.arguments.get(name) is torch.nn.LayerNorm:
+                bound.arguments[name] = wrapped_norm
+        return original(*bound.args, **bound.kwargs)
+
+    __init__._rrfp_cpu = True
+    model.__init__ = __init__

@@ -29,7 +29,13 @@ which Megatron builds its dataset helpers at start-up::
         --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion \
         --no-gradient-accumulation-fusion --attention-dropout 0 --hidden-dropout 0 --seed 1234
 
-``--clip-grad 0``: Megatron's gradient clipping asserts CUDA tensors.
+``--clip-grad`` > 0 works too (megatron-core's clipping asserts CUDA grads; ``--cpu`` calls
+it through its dtype-checked ``decoupled_grad`` path).
+
+LLaVA (``$MEGATRON_LM/pretrain_vlm.py``): the same flags with ``--num-layers 4 --img-h 28
+--img-w 28 --patch-dim 14 --decoder-seq-length 128 --max-position-embeddings 128
+--ckpt-format torch``; ``--cpu`` builds the ViT's ``ln_pre`` (a plain torch LayerNorm without
+TE) as megatron-core's WrappedTorchNorm.
 
 HybridModel (Megatron-LM 0.18+): ``$MEGATRON_LM/pretrain_hybrid.py`` with the same flags,
 ``--hybrid-layer-pattern '*-|*-'`` instead of ``--num-layers`` and ``--spec

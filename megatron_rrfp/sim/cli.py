@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
+from .llava import add_llava_arguments, llava_from_args
 from .simulator import BASELINE
 from .study import DEFAULT_POLICIES, StudyConfig
 from .variability import Variability
@@ -87,6 +88,8 @@ def add_simulate_parser(sub) -> None:
     v.add_argument("--sigma-msg", type=_VARIABILITY["sigma_msg"].parse, default=0.0,
                    help="log-normal sigma of message latency")
     add_workload_arguments(v)
+    add_llava_arguments(p.add_argument_group("LLaVA's shapes (Megatron-LM's pretrain_vlm.py; stage 0 holds the ViT)"),
+                        model_sizes=True)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--curve", metavar="PNG", help="with several --buffer-limit values: draw speedup vs peak "
                                                    "memory per policy (default: next to --json)")
@@ -111,7 +114,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
     knobs = dict(sigma_compute=args.sigma_compute, c50=args.c50, sigma_msg=args.sigma_msg)
     if args.reference:
         knobs.update(REFERENCE_J3)
-    variability = Variability(backward_ratio=args.backward_ratio, **workload_from_args(args), **knobs)
+    workload = workload_from_args(args)
+    llava = llava_from_args(args, args.pp)
+    if llava is not None:
+        workload.update(straggler_stage=0, straggler_factor=llava.stage0_factor)
+        print(f"LLaVA: {llava.image_tokens} image tokens per sample, decoder sequence {llava.decoder_seq_length}; "
+              f"ViT + projection = {llava.encoder_share:.2f} of a decoder stage: stage 0 x{llava.stage0_factor:.2f}")
+    variability = Variability(backward_ratio=args.backward_ratio, **workload, **knobs)
     config = StudyConfig(pipeline_size=args.pp, num_microbatches=args.microbatches, num_chunks=args.chunks,
                          policies=[p.strip() for p in args.policies.split(",") if p.strip()],
                          buffer_limit=limits[0], seeds=args.seeds, first_seed=args.first_seed,
