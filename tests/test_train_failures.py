@@ -243,7 +243,7 @@ def test_a_ledger_writer_that_cannot_start_only_warns_and_still_joins_the_gather
     from megatron_rrfp.goodput import LedgerWarning
     from megatron_rrfp.goodput import recorder as goodput_recorder
     from megatron_rrfp.train import builders
-    from megatron_rrfp.train.config import TrainConfig
+    from megatron_rrfp.train.config import TrainConfig, check_layout
 
     def broken_writer(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -252,7 +252,8 @@ def test_a_ledger_writer_that_cannot_start_only_warns_and_still_joins_the_gather
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.warns(LedgerWarning, match="No space left on device.*training continues"):
-            recorder = builders.build_recorder(TrainConfig(rrfp_goodput_ledger="unused.db"), 1, since_wall=0.0)
+            config = TrainConfig(rrfp_goodput_ledger="unused.db")
+            recorder = builders.build_recorder(config, check_layout(config, 1), since_wall=0.0)  # DP-sized defaults
     finally:
         dist.destroy_process_group()
     assert recorder.enabled and recorder.writer is None  # every hook runs (and gathers), nothing is written
