@@ -9,7 +9,10 @@ the venv's bin goes first on PATH and, under pyenv, ``PYENV_VERSION`` defaults t
 interpreter's version). Ranks run from outside the checkout, 4 per launch (pretrain_vlm.py: 2) (torchrun
 ``--standalone``), on CPU over gloo.
 
-  pretrain_gpt.py     TP=2 x PP=2, RRFP's default hint vs Megatron's 1F1B: the same losses
+  pretrain_gpt.py     TP=2 x PP=2, RRFP's default hint vs Megatron's 1F1B: the same losses;
+                      PP=2 x 2 model chunks x DP=2 with the production flags
+                      (--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer):
+                      losses and grad norms equal Megatron's interleaved schedule's, the split active
   pretrain_hybrid.py  (0.18+) HybridModel with megatron_rrfp.mcore.hybrid_spec, TP=2 x PP=2
                       and PP=2 x 2 model chunks (four '|' segments: Megatron's interleaved
                       schedule); rrfp's losses equal Megatron's
@@ -20,6 +23,7 @@ interpreter's version). Ranks run from outside the checkout, 4 per launch (pretr
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,15 +33,20 @@ from megatron_rrfp.mcore.compat import MEGATRON_CORE_VERSION, hybrid_model_unava
 
 TREES = [t for t in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if t]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# Megatron-LM's production recipes' DP flags, interleaved; --clip-grad 1: the grad norm is logged
+PRODUCTION = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4",
+              "--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer", "--clip-grad", "1.0"]
 HYBRID_SPEC = ["--spec", "megatron_rrfp.mcore.hybrid_spec", "hybrid_stack_spec"]
 CASES = {  # id: (script, flags)
     "gpt-tp2-pp2": ("pretrain_gpt.py", [*TP2_PP2, "--num-layers", "2"]),
+    "gpt-pp2-2chunks-dp2-overlap": ("pretrain_gpt.py", PRODUCTION),
     "hybrid-tp2-pp2": ("pretrain_hybrid.py", [*TP2_PP2, "--hybrid-layer-pattern", "*-|*-", *HYBRID_SPEC]),
     "hybrid-pp2-2chunks": ("pretrain_hybrid.py", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern",
                                                   "*-|*-|*-|*-", *HYBRID_SPEC]),
     # the rest of LLaVA's matrix (PP2/PP4 x TP1/TP2, both trees): scripts/pretrain_vlm_rrfp_matrix.py
     "vlm-pp2": ("pretrain_vlm.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4", *VLM]),
 }
+GRAD_NORMS = {"vlm-pp2", "gpt-pp2-2chunks-dp2-overlap"}  # read from the tensorboard event file; the split active
 LAUNCH_TIMEOUT_S = 900
 
 
@@ -61,18 +70,22 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
     script, flags = CASES[case]
     if script == "pretrain_hybrid.py" and (hybrid_model_unavailable() or not (tree / script).is_file()):
         pytest.skip(hybrid_model_unavailable() or f"{tree.name} has no {script}")
-    vlm = script == "pretrain_vlm.py"
+    vlm, grad_norms = script == "pretrain_vlm.py", case in GRAD_NORMS
     runs = {schedule: pretrain(tree, script, flags, ["--pipeline-schedule", schedule], tmp_path,
                                nproc=2 if vlm else 4, timeout=LAUNCH_TIMEOUT_S,
-                               tensorboard=tmp_path / schedule if vlm else None)
+                               tensorboard=tmp_path / schedule if grad_norms else None)
             for schedule in ("rrfp", "1f1b")}
     rrfp, reference = runs["rrfp"], runs["1f1b"]
     print(f"{tree.name} {case}: rrfp {rrfp['loss']} {rrfp['grad_norm']} "
           f"1f1b {reference['loss']} {reference['grad_norm']}")  # the figures the docs quote (pytest -s)
     assert sorted(reference["loss"]) == [1, 2, 3], reference["log"][-6000:]
-    if vlm:  # LLaVA's grad norms too, and the split active on its ViT and decoder
+    if grad_norms:  # grad norms too, and the split active (LLaVA: on its ViT and decoder)
         assert sorted(reference["grad_norm"]) == [1, 2, 3], reference["log"][-6000:]
         assert "linears deferred to W" in rrfp["log"], rrfp["log"][-6000:]
+    if flags is PRODUCTION:  # Megatron-LM kept them (its arguments print, both runs)
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer"):
+            for run in (rrfp, reference):
+                assert re.search(rf"^ *{name} \.+ True$", run["log"], re.MULTILINE), (name, run["log"][-6000:])
     for metric in ("loss", "grad_norm"):
         for iteration, value in reference[metric].items():
             assert rrfp[metric][iteration] == pytest.approx(value, rel=1e-5), (metric, iteration, rrfp[metric],

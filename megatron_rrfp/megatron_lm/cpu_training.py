@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..mcore.cpu import FACTORIES, cpu_factory, enable_cpu_reference_schedules
+from ..mcore.cpu import FACTORIES, cpu_factory, cpu_tensor_types_named_as_cuda, enable_cpu_reference_schedules
 from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
 
 # --------------------------------------------------------------------------- CPU training (launcher --cpu)
@@ -36,6 +36,9 @@ from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_argume
 #   initialize_megatron                   called with allow_no_cuda=True
 #   fused kernels (<= 0.16)               not built (torch fallbacks are used; pass the
 #                                         --no-*-fusion flags)
+#   get_megatron_optimizer                built inside cpu_tensor_types_named_as_cuda: the distributed
+#                                         (and mixed-precision) optimizer accepts parameters only by
+#                                         their 'torch.cuda.*Tensor' type string
 #   clip_grad_by_total_norm_fp32          asserts param.grad is a torch.cuda.FloatTensor; called
 #                                         through its decoupled_grad path (a dtype check only),
 #                                         so --clip-grad > 0 clips and logs the grad norm
@@ -64,6 +67,7 @@ def enable_cpu_training() -> bool:
     if megatron_arguments_module() is not None:
         _initialize_without_cuda()
         _skip_fused_kernels()
+        _optimizer_on_cpu()
         _clip_grads_on_cpu()
         _vit_norm_without_te()
     _cpu_training = True
@@ -205,6 +209,25 @@ def _skip_fused_kernels() -> None:
     except ImportError:  # 0.19+: nothing is built
         return
     fused_kernels.load = lambda args: None
+
+
+def _optimizer_on_cpu() -> None:
+    """get_megatron_optimizer builds while CPU tensors answer ``type()`` with CUDA names: the
+    distributed optimizer (--use-distributed-optimizer) and the mixed-precision one sort and
+    accept parameters by that string alone."""
+    optimizer = importlib.import_module("megatron.core.optimizer")
+    original = optimizer.get_megatron_optimizer
+    if getattr(original, "_rrfp_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(*args, **kwargs):
+        with cpu_tensor_types_named_as_cuda():
+            return original(*args, **kwargs)
+
+    get_megatron_optimizer._rrfp_cpu = True
+    importlib.import_module("megatron.training.training")  # load the modules that bind it by name
+    rebind_loaded("get_megatron_optimizer", original, get_megatron_optimizer)
 
 
 def _clip_grads_on_cpu() -> None:
