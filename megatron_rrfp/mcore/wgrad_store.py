@@ -347,9 +347,7 @@ def _unsupported_reason(module) -> str:
         return f"GTP-sharded weight (gtp_remat_size={module.gtp_remat_size}; W would need a reduce-scatter)"
     if not is_te_module(module):
         return ""
-    ddps = [d for d in map(_ddp_of, module.parameters(recurse=False)) if d is not None]
-    overlap = any(getattr(d.ddp_config, "overlap_grad_reduce", False) for d in ddps)
-    return te_split_reason(module, overlap_grad_reduce=overlap)
+    return te_split_reason(module)
 
 
 def _te_modules(models) -> list:

@@ -81,10 +81,10 @@ def _te_backward_dw(module) -> Optional[Callable]:
     return None
 
 
-def te_split_reason(module, *, overlap_grad_reduce: bool = False) -> str:
+def te_split_reason(module) -> str:
     """Why ``module``'s weight gradients cannot go through TE's own deferral (empty when
-    they can, or when ``module`` is not a TE module). ``overlap_grad_reduce`` no longer
-    refuses anything (B placeholders); accepted for callers."""
+    they can, or when ``module`` is not a TE module). Overlapped DDP refuses nothing: B's
+    placeholders give its hooks what megatron's own delayed wgrad gives them."""
     store = getattr(module, "wgrad_store", None)
     if store is None:
         return ""
