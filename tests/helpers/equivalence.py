@@ -24,7 +24,9 @@ class Case:
     """gpt (megatron-core GPTModel, local spec), mlp (column/row-parallel MLP stages),
     multimodal (recipes.multimodal: ViT + projector on stage 0, GPT decoder) or moe (GPTModel
     with 4 experts, top-2, alltoall dispatcher, SequentialMLP, aux loss; each data-parallel
-    replica draws its own data, so the experts' loads and all-to-all splits differ)."""
+    replica draws its own data, so the experts' loads and all-to-all splits differ) or moe_grouped
+    (the same with megatron-core's TEGroupedMLP experts over helpers.te_package, which the
+    rank must have installed: grouped_gemm_cases does)."""
     num_microbatches: int = 8
     iterations: int = 1
     forward_only: bool = False
@@ -72,14 +74,19 @@ def _build(case: Case, data_parallel: int):
 
     from megatron_rrfp.train import models
 
-    if case.model == "moe":
-        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1], **moe_options())
+    if case.model in ("moe", "moe_grouped"):
+        grouped = case.model == "moe_grouped"
+        config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1], **moe_options(grouped=grouped))
     elif case.model == "gpt":
         config = models.tiny_gpt_config(num_layers=2 * models.parallel_sizes()[1],
                                         sequence_parallel=case.sequence_parallel)
     else:
         config = models.tiny_gpt_config()
-    if case.model in ("gpt", "moe"):
+    if case.model == "moe_grouped":
+        from .te_package import build_grouped_moe_stage
+
+        stage = build_grouped_moe_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
+    elif case.model in ("gpt", "moe"):
         stage = models.build_gpt_stage(config, vocab_size=case.vocab_size, seq_length=case.seq_length, seed=11)
     elif case.model == "multimodal":
         from megatron_rrfp.train.recipes import multimodal
@@ -101,10 +108,14 @@ def _build(case: Case, data_parallel: int):
     return stage
 
 
-def moe_options() -> dict:
+def moe_options(grouped: bool = False) -> dict:
+    """``grouped``: grouped-GEMM experts; no linear biases (production MoE models have none, and
+    the TE stand-in's grouped GEMM has none)."""
     from megatron.core import parallel_state
 
-    return dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+    extra = dict(add_bias_linear=False) if grouped else {}
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=grouped,
+                **extra,
                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
                 moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
 
@@ -134,8 +145,8 @@ def _sgd_step(model, lr: float) -> None:
 def _data(case: Case, iteration: int):
     from megatron_rrfp.train import models
 
-    if case.model in ("gpt", "moe"):
-        if case.model == "moe":
+    if case.model in ("gpt", "moe", "moe_grouped"):
+        if case.model != "gpt":
             from megatron.core import parallel_state
 
             iteration += 1000 * parallel_state.get_data_parallel_rank()
@@ -181,7 +192,7 @@ def compare_with_megatron(case: Case) -> dict:
     rank = dist.get_rank()
     data_parallel = parallel_state.get_data_parallel_world_size()
     reference, candidate = _build(case, data_parallel), _build(case, data_parallel)
-    forward_step = models.gpt_forward_step if case.model in ("gpt", "moe") else mlp.mlp_forward_step
+    forward_step = models.gpt_forward_step if case.model in ("gpt", "moe", "moe_grouped") else mlp.mlp_forward_step
     if case.model == "multimodal":
         from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
@@ -237,11 +248,17 @@ def compare_with_megatron(case: Case) -> dict:
     delay_tasks(None)
     delay_messages(None)
     shutdown()
+    grouped_te = None
+    if case.model == "moe_grouped":
+        from .te_package import grouped_experts_report
+
+        grouped_te = grouped_experts_report(candidate)
     return {
         "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
         "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds, "bucket_launches": launch_log,
+        "grouped_te": grouped_te,
     }
 
 
@@ -264,3 +281,11 @@ def _record_bucket_launches(model, tasks_started: list) -> list:
 def run_cases(cases: list[Case]) -> list[dict]:
     """Several cases in one launch (process start-up dominates small runs on CPU)."""
     return [compare_with_megatron(case) for case in cases]
+
+
+def grouped_gemm_cases(cases: list[Case], te_version: str) -> list[dict]:
+    """``run_cases`` with Transformer Engine ``te_version`` (the CPU stand-in) importable first."""
+    from .te_package import install
+
+    install(te_version)
+    return run_cases(cases)

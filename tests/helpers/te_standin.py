@@ -421,3 +421,8 @@ class StandInStage(MegatronModule):
         if self.is_first_microbatch:
             self.is_first_microbatch = False
         return out
+
+
+def set_version(text: str) -> None:
+    """Behave like Transformer Engine ``text`` from now on (a rank that imports it as TE)."""
+    _STATE["version"] = _parse(text)

@@ -1,0 +1,36 @@
+"""Grouped-GEMM experts (``--moe-grouped-gemm``: megatron-core's TEGroupedMLP) split by rrfp.
+
+megatron-core's MoE GPTModel at EP2 x PP2 on 4 gloo ranks (alltoall dispatcher, 4 experts, top-2,
+aux loss) with its experts from the TE backend spec (``get_moe_module_spec_for_backend(TESpecProvider(),
+moe_grouped_gemm=True)``: TEGroupedMLP of TEColumnParallelGroupedLinear / TERowParallelGroupedLinear,
+2 local experts per GroupedLinear), built by megatron-core's own TE extension over the CPU stand-in
+importable as ``transformer_engine`` (helpers/te_package.py, TE 2.15's GroupedLinear). The rest of
+the layer is the local spec. rrfp's default policy (the split) against megatron-core's 1F1B on the
+same data and seeds, each replica on its own data, random task delays: losses and every gradient
+(the experts' main_grads included) equal, and the experts' weight gradients really deferred to W
+through TE's own store (entries queued in B, all popped by W).
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers.equivalence import Case, grouped_gemm_cases
+from megatron_rrfp.dist.launcher import launch
+
+TOL = 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_moe_grouped_gemm_ep2_pp2_default_split_like_megatron_1f1b():
+    cases = [Case(model="moe_grouped", iterations=2, num_microbatches=4, hint="default", buffer_limit="1x")]
+    results = launch(grouped_gemm_cases, world_size=4, pp=2, ep=2, timeout=240, args=(cases, "2.15"))
+    for (r,) in results:
+        assert r["loss_rel_err"] <= TOL and r["grad_rel_err"] <= TOL, r
+        te = r["grouped_te"]
+        assert te["classes"] == [("TEGroupedMLP", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")], te
+        # 2 layers per stage x (fc1, fc2): every B put one entry per module (W deferred), W popped them all
+        assert te["modules"] == 4 and te["queued"] == 4 * 4 * 2 and te["left"] == 0, te
+        assert te["main_grad_abs"] > 0, te
+        assert any("W" in order for order in r["orders"]), r["orders"]
+    assert sum(r["num_losses"] for (r,) in results) > 0
+    assert any(order != r["megatron_order"] for (r,) in results for order in r["orders"])
