@@ -10,14 +10,17 @@ into ``sys.modules`` that gives that module exactly what it touches:
   ``fp8_autocast``, ``fp8_model_init``; the base classes ``pytorch.Linear``, ``LayerNormLinear``,
   ``DotProductAttention``, ``RMSNorm``, ``GroupedLinear``, ``common.recipe.DelayedScaling``,
   ``pytorch.distributed.CudaRNGStatesTracker`` (all but ``GroupedLinear`` refuse to be built:
-  this package stands in for the grouped experts only). Its optional imports (permutation,
-  cross entropy, cpu offload, general_gemm, Fp8Padding, ...) fail as ImportError, which it catches.
+  this package stands in for the grouped experts only); ``pytorch.router``'s three fused kernels
+  (imported unguarded for TE >= 2.7; they refuse to run: no router fusion) and two names of
+  ``pytorch.ops`` (0.16.1's annotations). Its optional imports (permutation, cross entropy, cpu
+  offload, general_gemm, Fp8Padding, ...) fail as ImportError, which it catches.
 * at build and run time, ``GroupedLinear``: TE's constructor (module/grouped_linear.py, read at
   v2.8 and v2.14 ... v2.18: ``single_grouped_weight`` / ``single_grouped_bias`` / ``name`` from
   2.14), weights ``weight{i}`` created empty and initialised by ``init_method`` inside
-  ``get_rng_state_tracker().fork(rng_tracker_name)`` (base.py ``reset_parameters``), no bias
-  tensors ``bias{i}`` = empty tensors when ``bias=False``, TE's TP attributes on the weights; the
-  forward, backward, deferral and ``backward_dw`` are ``te_standin.GroupedLinear``'s (from TE's source).
+  ``get_rng_state_tracker().fork(rng_tracker_name)`` (base.py ``reset_parameters``), ``bias{i}``
+  empty tensors (``bias=False``; a bias is refused), TE's TP attributes on the weights; the
+  forward, backward, deferral and ``backward_dw`` are ``te_standin.GroupedLinear``'s (from TE's
+  source), its store counts what B queued (``grouped_experts_report``).
 
 The rank's megatron-core modules were imported (by the launcher's fork server) without TE, so
 ``install`` re-imports the two TE extension modules afterwards and clears megatron's cached TE
@@ -40,6 +43,7 @@ from . import te_standin
 SIGNATURE_VERSIONS = ("2.8", "2.14", "2.15", "2.16", "2.18")
 """Versions whose GroupedLinear constructor this follows (read from the tags)."""
 
+_ROUTER_KERNELS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_topk_with_score_function")
 _EXTENSIONS = ("megatron.core.extensions.transformer_engine_spec_provider",
                "megatron.core.extensions.transformer_engine")
 
@@ -47,13 +51,15 @@ _EXTENSIONS = ("megatron.core.extensions.transformer_engine_spec_provider",
 class _NotStoodIn:
     """A TE class megatron-core derives from at import; building one is outside this stand-in."""
 
+    te_name = ""
+
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(f"the CPU Transformer Engine stand-in (tests/helpers/te_package.py) provides "
-                                  f"GroupedLinear only, not {type(self).__mro__[-3].__name__}")
+                                  f"GroupedLinear only, not {self.te_name}")
 
 
 def _not_stood_in(name: str) -> type:
-    return type(name, (_NotStoodIn, torch.nn.Module), {"__module__": "transformer_engine.pytorch"})
+    return type(name, (_NotStoodIn, torch.nn.Module), {"__module__": "transformer_engine.pytorch", "te_name": name})
 
 
 class FP8GlobalStateManager:
@@ -115,7 +121,7 @@ class GroupedLinear(te_standin.GroupedLinear):
         self.save_original_input = save_original_input
         self.init_method, self.get_rng_state_tracker = init_method, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
-        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1 or tp_size > 1:
+        if tp_size > 1 or (tp_group is not None and torch.distributed.get_world_size(tp_group) > 1):
             raise NotImplementedError("GroupedLinear with TP > 1 inside TE: megatron-core's experts pass tp_size=1 "
                                       "(the dispatcher handles expert TP), the stand-in only that")
         self.tp_size, self.tp_group, self.parallel_mode = 1, None, parallel_mode
@@ -182,8 +188,7 @@ def install(version: str = "2.15"):
     ops = _module("transformer_engine.pytorch.ops",  # 0.16's TEFusedMLP names these in annotations
                   Sequential=_not_stood_in("Sequential"), FusibleOperation=_not_stood_in("FusibleOperation"))
     router = _module("transformer_engine.pytorch.router",  # imported unguarded for TE >= 2.7 (router fusion)
-                     **{name: functools.partial(_unfused, name) for name in (
-                         "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_topk_with_score_function")})
+                     **{name: functools.partial(_unfused, name) for name in _ROUTER_KERNELS})
     pytorch = _module("transformer_engine.pytorch", fp8=fp8, distributed=distributed, ops=ops, router=router,
                       GroupedLinear=GroupedLinear,
                       **{name: _not_stood_in(name) for name in ("Linear", "LayerNormLinear", "DotProductAttention",
