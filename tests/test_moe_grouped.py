@@ -28,9 +28,9 @@ def test_moe_grouped_gemm_ep2_pp2_default_split_like_megatron_1f1b():
         assert r["loss_rel_err"] <= TOL and r["grad_rel_err"] <= TOL, r
         te = r["grouped_te"]
         assert te["classes"] == [("TEGroupedMLP", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")], te
-        # 2 layers per stage x (fc1, fc2): every B put one entry per module (W deferred), W popped them all
-        assert te["modules"] == 4 and te["queued"] == 4 * 4 * 2 and te["left"] == 0, te
+        # 2 layers per stage x (fc1, fc2): every deferred B put one entry per module, its W popped them
+        w_tasks = sum(task[1] == "W" for order in r["orders"] for task in order.split(","))
+        assert te["modules"] == 4 and w_tasks > 0 and te["queued"] == 4 * w_tasks and te["left"] == 0, (te, r["orders"])
         assert te["main_grad_abs"] > 0, te
-        assert any("W" in order for order in r["orders"]), r["orders"]
     assert sum(r["num_losses"] for (r,) in results) > 0
     assert any(order != r["megatron_order"] for (r,) in results for order in r["orders"])
