@@ -4,9 +4,10 @@ megatron-core's MoE GPTModel at EP2 x PP2 on 4 gloo ranks (alltoall dispatcher, 
 aux loss) with its experts from the TE backend spec (``get_moe_module_spec_for_backend(TESpecProvider(),
 moe_grouped_gemm=True)``: TEGroupedMLP of TEColumnParallelGroupedLinear / TERowParallelGroupedLinear,
 2 local experts per GroupedLinear), built by megatron-core's own TE extension over the CPU stand-in
-importable as ``transformer_engine`` (helpers/te_package.py, TE 2.15's GroupedLinear). The rest of
-the layer is the local spec. rrfp's default policy (the split) against megatron-core's 1F1B on the
-same data and seeds, each replica on its own data, random task delays: losses and every gradient
+importable as ``transformer_engine`` (helpers/te_package.py, as TE 2.8 and as TE 2.15, one after
+the other in each rank). The rest of the layer is the local spec. rrfp's default policy (the
+split) against megatron-core's 1F1B on the same data and seeds, each replica on its own data,
+random task delays: losses and every gradient
 (the experts' main_grads included) equal, and the experts' weight gradients really deferred to W
 through TE's own store (entries queued in B, all popped by W).
 """
@@ -18,13 +19,16 @@ from helpers.equivalence import Case, grouped_gemm_cases
 from megatron_rrfp.dist.launcher import launch
 
 TOL = 1e-5
+TE_VERSIONS = ("2.8", "2.15")  # megatron-core passes single_grouped_weight / _bias to TE >= 2.14 only
 
 
 @pytest.mark.timeout(300)
 def test_moe_grouped_gemm_ep2_pp2_default_split_like_megatron_1f1b():
     cases = [Case(model="moe_grouped", iterations=2, num_microbatches=4, hint="default", buffer_limit="1x")]
-    results = launch(grouped_gemm_cases, world_size=4, pp=2, ep=2, timeout=240, args=(cases, "2.15"))
-    for (r,) in results:
+    results = launch(grouped_gemm_cases, world_size=4, pp=2, ep=2, timeout=240, args=(cases, TE_VERSIONS))
+    assert all([r["te_version"] for r in rank] == list(TE_VERSIONS) for rank in results)
+    runs = [list(run) for run in zip(*results)]  # per TE version: the 4 ranks' results
+    for r in (r for run in runs for r in run):
         assert r["loss_rel_err"] <= TOL and r["grad_rel_err"] <= TOL, r
         te = r["grouped_te"]
         assert te["classes"] == [("TEGroupedMLP", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")], te
@@ -32,5 +36,6 @@ def test_moe_grouped_gemm_ep2_pp2_default_split_like_megatron_1f1b():
         w_tasks = sum(task[1] == "W" for order in r["orders"] for task in order.split(","))
         assert te["modules"] == 4 and w_tasks > 0 and te["queued"] == 4 * w_tasks and te["left"] == 0, (te, r["orders"])
         assert te["main_grad_abs"] > 0, te
-    assert sum(r["num_losses"] for (r,) in results) > 0
-    assert any(order != r["megatron_order"] for (r,) in results for order in r["orders"])
+    for run in runs:
+        assert sum(r["num_losses"] for r in run) > 0
+        assert any(order != r["megatron_order"] for r in run for order in r["orders"])

@@ -283,9 +283,12 @@ def run_cases(cases: list[Case]) -> list[dict]:
     return [compare_with_megatron(case) for case in cases]
 
 
-def grouped_gemm_cases(cases: list[Case], te_version: str) -> list[dict]:
-    """``run_cases`` with Transformer Engine ``te_version`` (the CPU stand-in) importable first."""
+def grouped_gemm_cases(cases: list[Case], te_versions: tuple[str, ...]) -> list[dict]:
+    """``run_cases`` once per Transformer Engine version (the CPU stand-in, installed as it), in one launch."""
     from .te_package import install
 
-    install(te_version)
-    return run_cases(cases)
+    results = []
+    for version in te_versions:
+        install(version)
+        results += [dict(result, te_version=version) for result in run_cases(cases)]
+    return results
