@@ -541,7 +541,7 @@ _DEFAULT_GRID_SUBSET = [
     *[(4, 1, limit, "j3", True) for limit in ("1x", "1.5x", "2x", "4x")],
     *[(4, 2, limit, "j3", True) for limit in ("1x", "2x")],
     *[(4, 4, limit, "j3", True) for limit in ("1x", "1.5x", "2x")],
-    (8, 1, "2x", "j3", True), (8, 3, "2x", "j3", True),
+    (8, 1, "2x", "j3", True), (8, 3, "2x", "j3", True), (8, 4, "1.5x", "moe-ep8", True),
     *[(4, 1, "2x", name, True) for name in ("multimodal", "moe-ep2", "straggler", "seq-len")],
     (4, 2, "4x", "j0", True),
     (4, 1, "1x", "j3", False), (4, 1, "2x", "j3", False), (4, 2, "1x", "j3", False), (4, 3, "2x", "j3", False),

@@ -150,16 +150,24 @@ class DirectionalHint(Hint):
 
 BFW_FROM_MEMORY = {1: 1.25, 2: 1.25, 3: 1.75}
 BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
+BFW_FROM_MEMORY_MANY_CHUNKS_DEEP = 1.75
 """``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
 which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
-``BFW_FROM_MEMORY_MANY_CHUNKS``). Simulated (reference jitter j3, M = 4 PP, 7 seeds, PP
-4-16): below it ZB-H1's order keeps the interleaved warm-up the memory still binds (bfw
-0.70-0.98x of Megatron's interleaved schedule at 1x with 3-4 chunks); from it a stage spends
-the room on running ahead and W fills what is left (bfw 1.03-1.17x over zbh1 at 2x-4x).
-Without jitter the two tie everywhere. ``scripts/sim_default_grid.py`` prints the grid."""
-BF_INTERLEAVED_FROM_MEMORY = 2.0
-"""``default`` without a split backward, interleaved: ``bf`` from this multiple with 3 or more
-chunks, Megatron's own interleaved order (``1f1b``) below (simulated as above)."""
+``BFW_FROM_MEMORY_MANY_CHUNKS``, and ``..._DEEP`` beyond PP = 4). Simulated (reference jitter
+j3, M = 4 PP, 7 seeds, PP 4-16): below it ZB-H1's order keeps the interleaved warm-up the
+memory still binds (bfw 0.70-0.98x of Megatron's interleaved schedule at 1x with 3-4 chunks);
+from it a stage spends the room on running ahead and W fills what is left (bfw 1.03-1.17x over
+zbh1 at 2x-4x). Without jitter the two tie everywhere. With 4 chunks at 1.5x the crossover
+moves with depth (9 seeds, every workload of ``sim/grid.py``): at PP = 4 ``bfw`` leads under j3,
+multimodal and a straggler (up to 6.8%), ``zbh1`` under MoE and sequence lengths; from PP = 8
+``zbh1`` leads in 11 of 12 cells (up to 15.5%, MoE EP8), ``bfw`` in none by more than 0.3%.
+``scripts/sim_default_grid.py`` prints the grid."""
+BF_INTERLEAVED_FROM_MEMORY = {2: 1.5}
+BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS = 2.0
+"""``default`` without a split backward, interleaved: ``bf`` from this multiple (by chunks; 3 or
+more: ``..._MANY_CHUNKS``), Megatron's own interleaved order (``1f1b``) below (simulated as
+above). With 2 chunks from 1.5x ``bf`` leads Megatron's order by up to 10% (multimodal) and
+trails it by at most 1.7% (PP 4-8, 9 seeds, every workload of ``sim/grid.py``)."""
 
 
 class Memory(NamedTuple):
@@ -180,12 +188,14 @@ def default_choice(topology: Topology, *, split_backward: bool, memory: Optional
 
     chunks = topology.num_chunks
     if split_backward:
-        return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, BFW_FROM_MEMORY_MANY_CHUNKS)) else "zbh1"
+        many = BFW_FROM_MEMORY_MANY_CHUNKS if topology.num_stages <= 4 else BFW_FROM_MEMORY_MANY_CHUNKS_DEEP
+        return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, many)) else "zbh1"
     if not topology.interleaved:
         return "bf"
     if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
         return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
-    return "bf" if chunks >= 3 and at_least(BF_INTERLEAVED_FROM_MEMORY) else "1f1b"
+    return "bf" if at_least(BF_INTERLEAVED_FROM_MEMORY.get(chunks, BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS)) \
+        else "1f1b"
 
 
 class DefaultHint(Hint):
@@ -197,7 +207,7 @@ class DefaultHint(Hint):
     holding another forward (simulator, j3, PP=8, M=32: 1.23x over strict 1F1B where BF gains
     1.005x) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
     Otherwise BF (the paper's) without chunks, Megatron's own interleaved order with chunks
-    (``bf`` with 3+ chunks from 2x). Without jitter it is never slower than the order it
+    (``bf`` from 1.5x with 2 chunks, from 2x with 3+). Without jitter it is never slower than the order it
     reads strictly (tests/test_policy.py sweeps it)."""
 
     name = "default"
