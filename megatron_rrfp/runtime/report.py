@@ -32,6 +32,9 @@ class IterationReport:
     peak_activation_bytes: int = 0  # over the schedule call, relative to its start (runtime/memory.py)
     activation_measure: str = ""  # how: "cuda-allocator", "cuda-allocator-bound" (an upper bound) or "saved-tensors"
     buffer_limit: int = 0  # the arbiter's resolved limit on this stage (0: the limit did not apply)
+    byte_budget: float = 0.0  # the arbiter's byte budget on this stage (0: none; policy/membytes.py)
+    unsplit_backwards: int = 0  # B the byte budget ran unsplit (W a no-op)
+    task_bytes: object = None  # runtime.memory.TaskBytes: what this call's tasks weighed
     spans: list[Span] = field(default_factory=list)
 
     @property
