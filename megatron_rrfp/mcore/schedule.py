@@ -180,6 +180,10 @@ def forward_backward_rrfp(
     report.peak_activation_bytes, report.activation_measure = meter.peak_bytes, meter.method
     report.buffer_limit = 0 if forward_only or options.arbiter.strict else arbiter.buffer_limit
     report.byte_budget = arbiter.byte_budget
+    if arbiter.stage_bytes is not None:  # what a simulation of this call needs (bench/summary.py)
+        b = arbiter.stage_bytes
+        report.byte_weights = (b.stage.forward, b.stage.forward_peak, b.stage.pending, b.stage.split_peak, b.admit,
+                               b.split)
     limit.record(report.peak_activation_bytes, report.peak_in_flight)
     in_bytes.record(report, wgrad_store)
     if config.timers is not None:

@@ -222,6 +222,11 @@ class Arbiter:
         return 0.0 if self._bytes is None else self._bytes.admit
 
     @property
+    def stage_bytes(self) -> Optional[ByteBudget]:
+        """This stage's byte weights and budgets (None: forwards in flight only)."""
+        return self._bytes
+
+    @property
     def unsplit_backwards(self) -> int:
         """B run unsplit because their stash did not fit the byte budget."""
         return len(self._inline)

@@ -37,6 +37,7 @@ its own threads, and the executor's transport delivers on others.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Optional
 
@@ -147,6 +148,14 @@ class ActivationMeter:
         if key is not None and key[0] not in self._persistent:
             self._held_explicitly[id(tensor)] = [key, 1]
             self._add(key)
+
+    def hold_until_freed(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage until the tensor's last reference goes: a buffer a
+        schedule keeps without telling the meter (Megatron's received tensors, bench/hooks.py)."""
+        key = _storage_key(tensor) if self.method == SAVED_TENSORS else None
+        if key is not None and key[0] not in self._persistent:
+            self._add(key)
+            weakref.finalize(tensor, self._remove, key)
 
     def release(self, tensor: torch.Tensor) -> None:
         """The holder of ``tensor`` let it go (consumed by its task, or dropped)."""

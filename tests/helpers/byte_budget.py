@@ -8,12 +8,12 @@ import random
 
 
 def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: int = 3, te: bool = False,
-                        jitter_s: float = 0.0) -> dict:
+                        jitter_s: float = 0.0, pp: int = 2, tp: int = 2) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import count_in_flight, delay_tasks
+    from megatron_rrfp.bench.hooks import count_in_flight, count_received, delay_tasks
     from megatron_rrfp.mcore.compat import pipeline_device
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
@@ -22,7 +22,7 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     from megatron_rrfp.runtime.memory import ActivationMeter, model_tensors
 
     enable_cpu_reference_schedules()
-    stage, forward_step, data = _stage(sequence_parallel=sequence_parallel, te=te)
+    stage, forward_step, data = _stage(sequence_parallel=sequence_parallel, te=te, pp=pp, tp=tp)
     kwargs = dict(forward_step_func=forward_step, model=stage, num_microbatches=microbatches, seq_length=32,
                   micro_batch_size=2)
 
@@ -41,7 +41,13 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     counter.active = False
     out = {"rank": dist.get_rank(), "megatron": {"bytes": meter.peak_bytes, "in_flight": counter.peak}, "rrfp": []}
     reference = grads()
-    rng = random.Random(dist.get_rank() // 2)  # TP ranks of one stage drift alike (they agree anyway)
+    zero()
+    count_received(meter)  # again, its receive buffers counted too, as RRFP's waiting messages are
+    with meter:
+        forward_backward_pipelining_without_interleaving(data_iterator=data(0), **kwargs)
+    count_received(None)
+    out["megatron"]["bytes_with_receives"] = meter.peak_bytes
+    rng = random.Random(dist.get_rank() // tp)  # TP ranks of one stage drift alike (they agree anyway)
     if jitter_s:
         delay_tasks(lambda task: rng.uniform(0.0, jitter_s))
     worst = 0.0
@@ -64,12 +70,12 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     return out
 
 
-def _stage(*, sequence_parallel: bool, te: bool):
+def _stage(*, sequence_parallel: bool, te: bool, pp: int, tp: int):
     """The bench's GPT stage (real megatron-core GPTModel, local spec), or TE stand-in linears."""
     from megatron_rrfp.bench.run import BenchConfig
     from megatron_rrfp.bench.stages import build_stage
 
-    config = BenchConfig(pipeline_size=2, tensor_parallel=2, sequence_parallel=sequence_parallel,
+    config = BenchConfig(pipeline_size=pp, tensor_parallel=tp, sequence_parallel=sequence_parallel,
                          num_microbatches=8)
     if not te:
         stage, forward_step, data = build_stage(config)
