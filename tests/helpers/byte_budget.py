@@ -80,4 +80,64 @@ def _stage(*, sequence_parallel: bool, te: bool, pp: int, tp: int):
     if not te:
         stage, forward_step, data = build_stage(config)
         return stage, forward_step, lambda seed: data(seed)
-    raise NotImplementedError("TE stand-in pipeline stage")
+    return _te_sp_stage(sequence_parallel=sequence_parallel)
+
+
+_SEQ = 32
+
+
+def _te_sp_stage(*, sequence_parallel: bool):
+    """A pipeline stage of Transformer Engine stand-in linears (helpers/te_standin.py): x (this
+    rank's sequence shard) -> norm -> te1 (column, SP: gathers the sequence) -> gelu -> te2 (row)
+    -> this rank's shard, + x; the last stage's loss is the squared output. Seeded alike on
+    every rank, so Megatron's schedule and RRFP's run the same function."""
+    from functools import partial
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    from helpers import mlp, te_standin
+    from megatron_rrfp.train import models
+
+    config = models.tiny_gpt_config(sequence_parallel=sequence_parallel)
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+
+    class Stage(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.share_embeddings_and_output_weights = False
+            self.pre_process, self.post_process, self.input_tensor = pre, post, None
+            torch.manual_seed(17 + parallel_state.get_pipeline_model_parallel_rank())
+            self.norm = torch.nn.LayerNorm(hidden)
+            self.te1 = te_standin.Linear(hidden, ffn, parallel_mode="column", sequence_parallel=sequence_parallel,
+                                         tp_group=group)
+            self.te2 = te_standin.Linear(ffn, hidden, parallel_mode="row")
+
+        def set_input_tensor(self, input_tensor):
+            self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+        def forward(self, inputs=None):
+            x = inputs if self.pre_process else self.input_tensor
+            y = self.te2(torch.nn.functional.gelu(self.te1(self.norm(x))))
+            if sequence_parallel:
+                y = y.narrow(0, rank * x.shape[0], x.shape[0])
+            return x + y
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["inputs"] if pre else None)
+        return output, partial(mlp._mlp_loss, torch.zeros_like(output) if post else None)
+
+    def data(seed: int):
+        for batch in mlp.synthetic_mlp_batches(seed=seed, micro_batch_size=2, seq_length=_SEQ, hidden_size=hidden):
+            inputs = batch["inputs"]
+            if sequence_parallel:
+                inputs = inputs.narrow(0, rank * (_SEQ // tp), _SEQ // tp).contiguous()
+            yield {"inputs": inputs}
+    return Stage(), forward_step, data
