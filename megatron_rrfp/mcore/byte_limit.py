@@ -51,13 +51,14 @@ class CallBytes:
         if self.state is None or self.state.measured is not None or report.task_bytes is None:
             return
         tasks = report.task_bytes
-        forward = float(tasks.forward)
-        forward_peak = float(max(tasks.forward_peak, tasks.forward))
-        pending = float(wgrad_store.peak_key_bytes) if wgrad_store is not None and tasks.split_backwards else None
+        forward = float(tasks["forward"])
+        forward_peak = float(max(tasks["forward_peak"], tasks["forward"]))
+        split = wgrad_store is not None and tasks["split_backwards"]
+        pending = float(wgrad_store.peak_key_bytes) if split else None
         if pending is None:  # no B of this call split: assume a stash as large as what a forward holds
             pending, split_peak = forward, forward_peak + forward
         else:  # the CUDA allocator has no per-task peak: a split B adds at most its stash
-            split_peak = float(tasks.split_peak) if tasks.split_peak is not None else pending
+            split_peak = float(tasks["split_peak"]) if tasks["split_peak"] is not None else pending
         self.state.measured = StageBytes(forward, forward_peak, pending, split_peak)
 
 

@@ -130,7 +130,8 @@ class PipelineIteration:
         self.clock.resolve(self._t0)
         self.report.wall_s = time.time() - self._t0
         self.report.peak_in_flight = self.arbiter.peak_in_flight
-        self.report.task_bytes = self.task_bytes
+        if self.task_bytes is not None:
+            self.report.task_bytes = self.task_bytes.figures()
         self.report.unsplit_backwards = self.arbiter.unsplit_backwards
         if self.agreement is not None:
             stats = self.agreement.stats

@@ -249,6 +249,11 @@ class TaskBytes:
         self.forward = max(self.forward, held)
         self.forward_peak = max(self.forward_peak, held if peak is None else peak - self._start + credit)
 
+    def figures(self) -> dict:
+        """Plain numbers (the report travels between processes; the meter does not)."""
+        return {"forward": self.forward, "forward_peak": self.forward_peak, "split_peak": self.split_peak,
+                "split_backwards": self.split_backwards}
+
     def end_split_backward(self) -> None:
         peak = self.meter.window_peak()
         self.split_backwards += 1
