@@ -85,6 +85,7 @@ class DeviceTimeEmulator:
         self.realization: Optional[Realization] = None
         self.spans: list[Span] = []
         self.tally = TaskTally()
+        self._unsplit: set[tuple[int, int]] = set()
         self.rank = 0
         self._t0 = 0.0
         self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
@@ -143,6 +144,7 @@ class DeviceTimeEmulator:
         self.realization = realization
         self.spans = []
         self.tally = TaskTally()
+        self._unsplit: set[tuple[int, int]] = set()
         self._received = [0, 0]
         self._link_clear = [0.0, 0.0]
         self._t0 = time.time()
@@ -162,8 +164,24 @@ class DeviceTimeEmulator:
         if self.realization is None:
             return 0.0
         seconds = self.realization.duration(self.stage, task, self.split_backward)
+        if self.split_backward and not self._deferred(task):  # the byte budget ran its B unsplit
+            seconds = 0.0 if task.kind is Kind.W else self.realization.duration(self.stage, task, False)
         time.sleep(seconds)
         return seconds
+
+    def _deferred(self, task: Task) -> bool:
+        """A split B defers inside the store's ``deferring``; an unsplit one (policy/membytes.py) does not."""
+        if task.kind is Kind.F:
+            return True
+        key = (task.microbatch, task.chunk)
+        if task.kind is Kind.W:
+            return key not in self._unsplit
+        from ..mcore import wgrad_store
+
+        if wgrad_store._active is None:
+            self._unsplit.add(key)
+            return False
+        return True
 
     def _sent(self, direction: int, task: Task, when: float) -> None:
         if self.table is not None:

@@ -15,6 +15,9 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
   business: the emulator's never lets a message overtake an earlier one).
 * ``count_in_flight()`` — a counter of forwards whose backward has not run, fed by
   ``wrap_tasks``: the peak in flight of Megatron's own schedules, measured like RRFP's.
+* ``count_received(meter)`` — every tensor Megatron's own schedules receive
+  (``P2PCommunicator._communicate``) is counted by ``meter`` until its last reference goes, as
+  RRFP's meter counts the messages waiting in its executor: both schedules' receive buffers.
 """
 from __future__ import annotations
 
@@ -157,4 +160,28 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
     _delivery.delay = delay
 
 
-__all__ = ["InFlightCounter", "count_in_flight", "delay_messages", "delay_tasks", "wrap_tasks"]
+def count_received(meter) -> None:
+    """From now on, Megatron's received tensors are held by ``meter`` (a
+    ``runtime.memory.ActivationMeter``) until freed; None stops. Installs itself on first use."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    if not _received_meter:
+        communicate = p2p_communication.P2PCommunicator._communicate
+
+        @functools.wraps(communicate)
+        def counted_communicate(self_, *args, **kwargs):
+            result = communicate(self_, *args, **kwargs)
+            if _received_meter[0] is not None:
+                for tensor in result[:2]:
+                    if tensor is not None:
+                        _received_meter[0].hold_until_freed(tensor)
+            return result
+
+        p2p_communication.P2PCommunicator._communicate = counted_communicate
+        _received_meter.append(None)
+    _received_meter[0] = meter
+
+
+_received_meter: list = []  # [the meter counting Megatron's receives, or None] once installed
+
+__all__ = ["InFlightCounter", "count_in_flight", "count_received", "delay_messages", "delay_tasks", "wrap_tasks"]

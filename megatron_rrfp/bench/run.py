@@ -220,7 +220,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
     from .emulation import DeviceTimeEmulator, SendTimeTable
-    from .hooks import count_in_flight
+    from .hooks import count_in_flight, count_received
 
     enable_cpu_reference_schedules()  # a no-op where CUDA is available
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
@@ -254,7 +254,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         state[run.key] = {"arbiter": arbiter, "split_backward": arbiter.parsed_hint.for_layout(
             topology, split_backward=arbiter.split_backward_ok).split_backward, "walls": [], "busy": [],
             "spans": [], "breakdowns": [], "tasks": [], "memory": {
-                "peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": ""}}
+                "peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": "",
+                "byte_weights": ()}}
     for run, iteration in run_order(runs, config.warmup + config.iterations, config.interleave):
         schedule, own = run.schedule, state[run.key]
         arbiter, split_backward, memory = own["arbiter"], own["split_backward"], own["memory"]
@@ -282,8 +283,10 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         if schedule == "megatron-1f1b":
             megatron_in_flight.reset()
             megatron_in_flight.active = True
+            count_received(megatron_meter)  # its receive buffers, as RRFP's meter counts its waiting messages
             with megatron_meter:
                 megatron_schedule(**kwargs)
+            count_received(None)
             megatron_in_flight.active = False
             own_spans = list(emulator.spans)
             breakdown, report = None, None
@@ -296,6 +299,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             breakdown = {name: getattr(report, name) for name in BREAKDOWN}
             measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
                         report.activation_measure)
+            memory["byte_weights"] = report.byte_weights  # the last call's: the simulation models it
         elapsed = time.time() - start
         # CPU seconds of this process's other threads (transport, delivery, gloo) meanwhile
         other_cpu = (time.process_time() - cpu[0]) - (time.thread_time() - cpu[1])
@@ -313,9 +317,10 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                                  "rank_wall_s": elapsed, "busy_s": compute, "executor": breakdown})
             if breakdown is not None:
                 own["breakdowns"].append(breakdown)
-            memory["peak_activation_bytes"] = max(memory["peak_activation_bytes"], measured[0])
-            memory["peak_in_flight"] = max(memory["peak_in_flight"], measured[1])
-            memory["buffer_limit"], memory["activation_measure"] = measured[2], measured[3]
+        # memory over every call, warm-up included: the first call must fit too (docs/memory.md)
+        memory["peak_activation_bytes"] = max(memory["peak_activation_bytes"], measured[0])
+        memory["peak_in_flight"] = max(memory["peak_in_flight"], measured[1])
+        memory["buffer_limit"], memory["activation_measure"] = measured[2], measured[3]
         done += 1
         if progress_path and rank == 0:
             with open(progress_path, "a", encoding="utf-8") as handle:

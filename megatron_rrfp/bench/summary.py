@@ -4,7 +4,7 @@ cost), makespan over the lower bound, memory beside every figure, and where the 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional
 
 from ..runtime.report import BREAKDOWN_FIELDS
@@ -12,6 +12,17 @@ from .sweep import SIM_POLICY as _SIM_POLICY
 from .sweep import limit_list, tradeoff_section
 
 BREAKDOWN = (*BREAKDOWN_FIELDS, "wall_s")
+
+
+def _byte_budgets(per_rank: list[dict], key: str, num_stages: int):
+    """Per stage, the ``membytes.ByteBudget`` a rank of it ran the last call with; None if any ran without."""
+    from ..policy.membytes import ByteBudget, StageBytes
+
+    by_stage = {r["stage"]: r["runs"][key].get("byte_weights") for r in per_rank}
+    if len(by_stage) != num_stages or not all(by_stage.values()):
+        return None
+    return tuple(ByteBudget(StageBytes(*by_stage[s][:4]), admit=by_stage[s][4], split=by_stage[s][5])
+                 for s in range(num_stages))
 
 
 def summarize(config, per_rank: list[dict]) -> dict:
@@ -37,9 +48,12 @@ def summarize(config, per_rank: list[dict]) -> dict:
     sims_host: dict[str, list[float]] = {}  # the same, each task plus its schedule's measured host cost
     realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
                     for i in range(config.warmup, config.warmup + config.iterations)]
+    byte_budgets = {run.key: _byte_budgets(per_rank, run.key, config.pipeline_size) for run in bench_runs}
     for realization in realizations:
         for run in bench_runs:
-            arbiter_config = policy(_SIM_POLICY[run.schedule], sim_limits[run.key])
+            # the byte budget the executor ran with (1x: policy/membytes.py), so the simulation decides alike
+            arbiter_config = replace(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
+                                     memory_bytes=byte_budgets[run.key])
             sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
                                                          realization).makespan)
             if host_costs[run.key] is not None:

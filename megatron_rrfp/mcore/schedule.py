@@ -24,7 +24,7 @@ from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
-from . import auto_limit, compat, recovery
+from . import auto_limit, byte_limit, compat, recovery
 from .config import RRFPConfig, defaults
 from .dp_overlap import overlapped_dp_communication_allowed, whole_stage_agreement
 from .grad_sync import GradSyncController
@@ -125,7 +125,10 @@ def forward_backward_rrfp(
     limit = auto_limit.call_limit(
         options, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
         forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
-    plan = Plan.build(limit.arbiter, topology, num_microbatches)
+    in_bytes = byte_limit.call_bytes(
+        limit.arbiter, models=models, topology=topology, num_microbatches=num_microbatches, stage=stage,
+        forward_only=forward_only, device=device, pp_group=groups.pp, agreement_group=runtime.agreement_group)
+    plan = Plan.build(in_bytes.arbiter, topology, num_microbatches)
     arbiter = plan.arbiter(stage, forward_only=forward_only)
     meter = ActivationMeter(device, persistent=model_tensors(models) if device.type == "cpu" else ())
     wgrad_store = weight_grad_store(models, meter, hint=options.arbiter.parsed_hint.name) \
@@ -154,6 +157,7 @@ def forward_backward_rrfp(
             cp_size=groups.cp.size(), forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, grad_sync=grad_sync)
         work.wgrad_store = wgrad_store
+        work.defers_weight = arbiter.defers_weight  # a B whose stash the byte budget has no room for runs unsplit
         if wgrad_store is not None:
             attach_split_readiness(work, overlap_allowed=overlapped_dp_communication_allowed(
                 device_type=device.type, data_parallel_size=data_parallel_size, interleaved=len(models) > 1,
@@ -175,7 +179,13 @@ def forward_backward_rrfp(
                                          pg_collection=groups.collection, force_all_reduce=force_all_reduce)
     report.peak_activation_bytes, report.activation_measure = meter.peak_bytes, meter.method
     report.buffer_limit = 0 if forward_only or options.arbiter.strict else arbiter.buffer_limit
+    report.byte_budget = arbiter.byte_budget
+    if arbiter.stage_bytes is not None:  # what a simulation of this call needs (bench/summary.py)
+        b = arbiter.stage_bytes
+        report.byte_weights = (b.stage.forward, b.stage.forward_peak, b.stage.pending, b.stage.split_peak, b.admit,
+                               b.split)
     limit.record(report.peak_activation_bytes, report.peak_in_flight)
+    in_bytes.record(report, wgrad_store)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()

@@ -38,7 +38,7 @@ from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_cha
 from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
-from . import auto_limit
+from . import auto_limit, byte_limit
 from .config import collective_timeout_floor_s
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ def shutdown() -> None:
         _session.close()
     _session = None
     auto_limit.reset()  # calibrations belong to the job that measured them
+    byte_limit.reset()
 
 
 __all__ = ["Session", "TRANSPORTS", "abort_pair_groups", "agreement_group", "device_timeout", "discard",

@@ -72,6 +72,7 @@ class MegatronStageWork:
         self.saved: dict[tuple[int, int], tuple[list, list]] = {}
         self.wgrad_store = None  # set when the hint splits the backward (BFW), with split_readiness
         self.split_readiness = None
+        self.defers_weight: Callable[[Task], bool] = lambda task: True  # the arbiter's (byte budget)
         self.outputs: dict[int, list] = {}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=compat.pipeline_device())
         self._forwards_run = [0] * len(models)
@@ -106,7 +107,7 @@ class MegatronStageWork:
     def backward(self, task: Task, output_grad, send) -> None:
         inputs, output = self.saved.pop((task.microbatch, task.chunk))
         if self.wgrad_store is not None:  # B of a split backward: input gradients only
-            with self.wgrad_store.deferring((task.microbatch, task.chunk)):
+            with self.wgrad_store.deferring((task.microbatch, task.chunk), inline=not self.defers_weight(task)):
                 input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
             if send is not None:
                 send(input_grad[0])

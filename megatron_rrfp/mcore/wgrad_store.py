@@ -125,11 +125,14 @@ class WeightGradStore:
         self._inline: set[Key] = set()  # keys whose W ran inside B (max_pending reached)
         self._bytes = 0
         self.peak_pending_bytes = 0
+        self.peak_key_bytes = 0  # the most one key's W kept (policy/membytes.StageBytes.pending)
 
     @contextlib.contextmanager
-    def deferring(self, key: Key) -> Iterator[None]:
+    def deferring(self, key: Key, *, inline: bool = False) -> Iterator[None]:
         """Inside: the backward of installed megatron linears computes only input (and
-        bias) gradients; their weight-gradient work is stashed under ``key``."""
+        bias) gradients; their weight-gradient work is stashed under ``key``. ``inline``:
+        this B runs unsplit (the arbiter's byte budget has no room for its stash) and the
+        later ``run(key)`` is a no-op, as when the store is full."""
         global _active
         key = _check_key(key)
         if key in self._pending or key in self._inline:
@@ -138,7 +141,7 @@ class WeightGradStore:
         if _active is not None:
             raise RuntimeError(f"wgrad: deferring({key}) entered while deferring({_active[1]}) is active; "
                                "one backward at a time")
-        if self.max_pending is not None and len(self._pending) >= self.max_pending:
+        if inline or (self.max_pending is not None and len(self._pending) >= self.max_pending):
             self._inline.add(key)  # store full: this backward runs unsplit
             self._te.inline()
             try:
@@ -218,6 +221,7 @@ class WeightGradStore:
             if self.memory is not None:
                 self.memory.hold(tensor)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._bytes)
+        self.peak_key_bytes = max(self.peak_key_bytes, entry.nbytes)
 
     def _drop(self, key: Key) -> None:
         entry = self._pending.pop(key, None)

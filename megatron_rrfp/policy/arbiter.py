@@ -34,6 +34,13 @@ Without chunks this is the paper's "drain backward only" at the limit; with chun
 replaces the paper's "finish one microbatch at a time", which serialised the pipeline
 (0.12x of Megatron's interleaved schedule at PP=16, C=4).
 
+Bytes (``membytes.py``): with ``memory_bytes`` (per-stage weights and budgets, measured by
+the runtime) the arbiter also keeps a modelled byte level within its stage's budget: a
+forward is admitted as above *and* while it fits in bytes (the same banker's scan, weighted;
+the oldest unfinished microbatch is never refused by it, so it cannot deadlock), and a B
+whose split would not fit runs unsplit (``defers_weight`` False: its W is then a no-op that
+releases nothing, since the B released its memory).
+
 Strict mode runs the hint's order exactly (the fixed-order baseline inside the same
 runtime); its memory is the order's own, so the buffer limit does not apply.
 """
@@ -46,6 +53,7 @@ from typing import Optional
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
 from .hints import Hint, Memory, OrderedHint, make_hint, validate_order
+from .membytes import ByteBudget
 from .topology import Topology
 
 DEFAULT_HINT = "default"
@@ -71,6 +79,10 @@ class ArbiterConfig:
     split_backward_ok: bool = True
     """The model can defer its weight gradients (W tasks): the ``default`` hint uses a split
     backward only then. The Megatron adapter sets it from the model (mcore/schedule.py)."""
+    memory_bytes: Optional[tuple[ByteBudget, ...]] = None
+    """Per stage, byte weights and budgets (membytes.py): admission and the split of each B
+    then also keep the stage's modelled bytes within its budget. None: forwards in flight only.
+    The runtime sets it for ``1x`` (mcore/byte_limit.py); the simulator takes it as given."""
 
     def __post_init__(self) -> None:
         try:
@@ -145,6 +157,11 @@ class Arbiter:
             self._order = self._checked_order(order)
             self._position = {task: i for i, task in enumerate(self._order)}
         self.lookahead = self._scaled_lookahead()
+        self._bytes = self._stage_bytes(config.memory_bytes)
+        self.level = 0.0  # modelled bytes held (membytes.py); in units without memory_bytes
+        self.peak_level = 0.0
+        self._held_bytes = [0.0] * num_microbatches
+        self._inline: set[tuple[int, int]] = set()  # B that ran unsplit: their W release nothing
 
     # -- policy ----------------------------------------------------------------------
 
@@ -166,6 +183,7 @@ class Arbiter:
         self.dispatched_set.add(task)
         self.dispatched.append(task)
         mb = task.microbatch
+        weights = self._bytes.stage if self._bytes is not None else None
         if task.kind is Kind.F:
             self.prefer = Kind.B
             self._forwards_run[mb] += 1
@@ -173,16 +191,45 @@ class Arbiter:
                 self._advance_oldest()
             else:
                 self.in_flight += 1
+                self._add_bytes(mb, weights.forward if weights else 1.0)
         elif task.kind is Kind.B:
             self.prefer = Kind.F
-            if not self.split_backward:
+            forward = weights.forward if weights else 1.0
+            if self.split_backward and (self._bytes is None
+                                        or self.level + weights.split_peak <= self._bytes.split * _TOLERANCE):
+                self._add_bytes(mb, (weights.pending if weights else 1.0) - forward)
+            else:  # unsplit: frees what its forward held (split: W would, but its split does not fit)
+                if self.split_backward:
+                    self._inline.add((mb, task.chunk))
+                self._add_bytes(mb, -forward)
                 self._release(mb)
-        else:  # W releases the activations a split backward kept
+        elif (mb, task.chunk) not in self._inline:  # W releases the activations a split backward kept
+            self._add_bytes(mb, -(weights.pending if weights else 1.0))
             self._release(mb)
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self._order is not None:
             while self._order_pos < len(self._order) and self._order[self._order_pos] in self.dispatched_set:
                 self._order_pos += 1
+
+    def defers_weight(self, task: Task) -> bool:
+        """Whether the recorded B ``task`` defers its weight gradients to its W (False: the
+        byte budget had no room for its stash, so it runs unsplit and its W is a no-op)."""
+        return self.split_backward and (task.microbatch, task.chunk) not in self._inline
+
+    @property
+    def byte_budget(self) -> float:
+        """This stage's byte budget for forwards (0.0: none, forwards in flight only)."""
+        return 0.0 if self._bytes is None else self._bytes.admit
+
+    @property
+    def stage_bytes(self) -> Optional[ByteBudget]:
+        """This stage's byte weights and budgets (None: forwards in flight only)."""
+        return self._bytes
+
+    @property
+    def unsplit_backwards(self) -> int:
+        """B run unsplit because their stash did not fit the byte budget."""
+        return len(self._inline)
 
     @property
     def done(self) -> bool:
@@ -228,6 +275,8 @@ class Arbiter:
             "total": len(self.tasks),
             "in_flight": self.in_flight,
             "buffer_limit": self.buffer_limit,
+            "level": self.level,
+            "byte_budget": None if self._bytes is None else self._bytes.admit,
             "prefer": self.prefer.value,
             "next_in_order": str(self.next_in_order()) if self._order else None,
             "last_dispatched": format_order(self.dispatched[-6:]),
@@ -262,6 +311,19 @@ class Arbiter:
         except ValueError:  # a layout Megatron's interleaved schedule refuses: the hint's own peak
             reference = peak_in_flight(self._order)
         return base + 2 * max(0, self.buffer_limit - reference)
+
+    def _stage_bytes(self, budgets: Optional[tuple[ByteBudget, ...]]) -> Optional[ByteBudget]:
+        if budgets is None or self.forward_only or self.config.strict:
+            return None  # strict runs its order's own memory; evaluation holds nothing for backward
+        if len(budgets) != self.topology.num_stages:
+            raise ValueError(f"memory_bytes has {len(budgets)} stages' budgets for a pipeline of "
+                             f"{self.topology.num_stages}")
+        return budgets[self.stage]
+
+    def _add_bytes(self, mb: int, amount: float) -> None:
+        self.level += amount
+        self._held_bytes[mb] += amount
+        self.peak_level = max(self.peak_level, self.level)
 
     def _release(self, mb: int) -> None:
         self.in_flight -= 1
@@ -309,9 +371,33 @@ class Arbiter:
                     frontier = k
                     break
                 older_held += forwarded - released[k]
+        frontier = min(frontier, self._byte_frontier())
         self._frontier_at, self._frontier = len(self.dispatched), frontier
         return frontier
 
+    def _byte_frontier(self) -> int:
+        """``admission_frontier``'s rule in bytes (membytes.py): the same scan, each held
+        forward weighing its bytes; the oldest unfinished microbatch is always admitted."""
+        m = self.num_microbatches
+        if self._bytes is None:
+            return m
+        weights, admit = self._bytes.stage, self._bytes.admit * _TOLERANCE
+        extra = weights.forward_peak - weights.forward  # a forward's peak above what it then holds
+        if self.level + weights.forward_peak > admit:
+            return self._oldest
+        chunks, older_held = self.topology.num_chunks, 0.0
+        for k in range(self._oldest, m):
+            forwarded = self._forwards_run[k]
+            if forwarded == 0 and older_held >= self.level - 1e-9:  # nothing from k on is held: T_k = C forwards
+                return m if chunks * weights.forward + extra <= admit else k
+            if self.level - older_held + (chunks - forwarded) * weights.forward + extra > admit:
+                return max(k, self._oldest)
+            older_held += self._held_bytes[k]
+        return m
+
+
+_TOLERANCE = 1 + 1e-9
+"""Budgets compare with a hair of slack: measured bytes are exact integers, sums of floats not."""
 
 __all__ = ["DEFAULT_BUFFER_LIMIT", "DEFAULT_HINT", "Arbiter", "ArbiterConfig", "config_memory",
            "memory_of"]

@@ -136,6 +136,17 @@ class _Pipeline:
             self._backward_maybe_ready(stage, (mb, chunk))
 
 
+def _task_time(arbiter: Arbiter, duration: Duration, stage: int, task: Task) -> float:
+    """A B the byte budget ran unsplit (``Arbiter.defers_weight``) takes its W's time too; that W is a no-op."""
+    if task.kind is Kind.F or not arbiter.split_backward or arbiter.defers_weight(task):
+        return _checked_time(duration(stage, task), "duration", stage, task)
+    if task.kind is Kind.W:
+        return 0.0
+    weight = Task(Kind.W, task.microbatch, task.chunk)
+    return (_checked_time(duration(stage, task), "duration", stage, task)
+            + _checked_time(duration(stage, weight), "duration", stage, weight))
+
+
 def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, latency: Latency = no_latency,
         name: str = "", record_trace: bool = False) -> DryRun:
     """Run one iteration; raises ``DeadlockError`` if the arbiters stall with work left and
@@ -156,7 +167,7 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
                 if task is not None:
                     pipe.ready[stage].discard(task)
                     pipe.arbiters[stage].record(task)
-                    length = _checked_time(duration(stage, task), "duration", stage, task)
+                    length = _task_time(pipe.arbiters[stage], duration, stage, task)
                     busy_until[stage] = now + length
                     busy[stage] += length
                     if record_trace:

@@ -36,7 +36,7 @@ from ..policy.topology import Topology
 from ..trace.chrome import Span, message_key
 from .agreement import Agreed, AgreementError, TPAgreement
 from .inbox import Inbox
-from .memory import ActivationMeter
+from .memory import ActivationMeter, TaskBytes
 from .profiling import TaskClock
 from .report import BREAKDOWN_FIELDS, IterationReport
 
@@ -88,6 +88,7 @@ class PipelineIteration:
                  memory: Optional[ActivationMeter] = None) -> None:
         self.work, self.arbiter, self.topology, self.stage = work, arbiter, topology, stage
         self.memory = memory  # counts the messages waiting here as held activation memory
+        self.task_bytes = TaskBytes(memory) if memory is not None and not forward_only else None
         self.stage_ranks, self.transport, self.inbox, self.agreement = stage_ranks, transport, inbox, agreement
         self.timeout_s, self.forward_only, self.record_spans = timeout_s, forward_only, record_spans
         self.rank = stage_ranks[stage]
@@ -129,6 +130,9 @@ class PipelineIteration:
         self.clock.resolve(self._t0)
         self.report.wall_s = time.time() - self._t0
         self.report.peak_in_flight = self.arbiter.peak_in_flight
+        if self.task_bytes is not None:
+            self.report.task_bytes = self.task_bytes.figures()
+        self.report.unsplit_backwards = self.arbiter.unsplit_backwards
         if self.agreement is not None:
             stats = self.agreement.stats
             self.report.agree_s = stats.blocked_s
@@ -407,16 +411,25 @@ class PipelineIteration:
             downstream = self.topology.downstream(self.stage, chunk)
             send = None if downstream is None else self._sender("activation", mb, downstream)
             received = self._take(self.activations, (mb, chunk))
+            if self.task_bytes is not None:
+                self.task_bytes.begin()
             self.work.forward(task, received, send)
             self._released(received)
+            if self.task_bytes is not None:
+                self.task_bytes.end_forward(received)
             self.forward_done.add((mb, chunk))
         elif task.kind is Kind.B:
             upstream = self.topology.upstream(self.stage, chunk)
             send = None if upstream is None else self._sender("gradient", mb, upstream)
             self.backwards_left -= 1
             received = self._take(self.gradients, (mb, chunk))
+            measured = self.task_bytes if self.arbiter.defers_weight(task) else None
+            if measured is not None:
+                measured.begin()
             self.work.backward(task, received, send)
             self._released(received)
+            if measured is not None:
+                measured.end_split_backward()
         else:
             self.work.weight(task)
 

@@ -37,6 +37,7 @@ its own threads, and the executor's transport delivers on others.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Optional
 
@@ -98,6 +99,7 @@ class ActivationMeter:
         self._held_explicitly: dict[int, list] = {}  # id(tensor) -> [storage key, holds]
         self._hooks = None
         self._base = 0
+        self._window_peak = 0
         self.bytes = 0
         """Bytes held right now (CPU)."""
         self.peak_bytes = 0
@@ -147,6 +149,14 @@ class ActivationMeter:
             self._held_explicitly[id(tensor)] = [key, 1]
             self._add(key)
 
+    def hold_until_freed(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage until the tensor's last reference goes: a buffer a
+        schedule keeps without telling the meter (Megatron's received tensors, bench/hooks.py)."""
+        key = _storage_key(tensor) if self.method == SAVED_TENSORS else None
+        if key is not None and key[0] not in self._persistent:
+            self._add(key)
+            weakref.finalize(tensor, self._remove, key)
+
     def release(self, tensor: torch.Tensor) -> None:
         """The holder of ``tensor`` let it go (consumed by its task, or dropped)."""
         entry = self._held_explicitly.get(id(tensor))
@@ -156,6 +166,25 @@ class ActivationMeter:
         if entry[1] == 0:
             del self._held_explicitly[id(tensor)]
             self._remove(entry[0])
+
+    # -- per-task windows (byte weights of the arbiter, policy/membytes.py) ----------
+
+    def now(self) -> int:
+        """Bytes held now, relative to the call's start (CUDA: allocated)."""
+        if self.method == SAVED_TENSORS:
+            return self.bytes - self._base
+        return torch.cuda.memory_allocated(self.device) - self._base
+
+    def open_window(self) -> int:
+        """Start a window: ``window_peak()`` is then the peak since now. Returns ``now()``."""
+        with self._lock:
+            self._window_peak = self.bytes
+        return self.now()
+
+    def window_peak(self) -> Optional[int]:
+        """Peak since ``open_window`` relative to the call's start; None on CUDA (the
+        allocator's peak statistics are the user's, never reset here)."""
+        return self._window_peak - self._base if self.method == SAVED_TENSORS else None
 
     # -- accounting ----------------------------------------------------------------
 
@@ -177,6 +206,7 @@ class ActivationMeter:
                 self._refs[pointer] = [1, nbytes]
                 self.bytes += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.bytes - self._base)
+                self._window_peak = max(self._window_peak, self.bytes)
             else:
                 entry[0] += 1
 
@@ -191,4 +221,47 @@ class ActivationMeter:
                 self.bytes -= entry[1]
 
 
-__all__ = ["CUDA_ALLOCATOR", "CUDA_ALLOCATOR_BOUND", "SAVED_TENSORS", "ActivationMeter", "model_tensors"]
+def storage_bytes(tensor: Optional[torch.Tensor]) -> int:
+    key = None if tensor is None else _storage_key(tensor)
+    return 0 if key is None else key[1]
+
+
+class TaskBytes:
+    """What one call's tasks weigh in bytes, max over tasks (policy/membytes.StageBytes):
+    a forward's held bytes and peak, a split B's peak, each above the bytes held before it.
+    The received message a task consumes was counted before it and is released in it, so it
+    is credited back: what its forward saves of it stays counted there, as in Megatron's."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter = meter
+        self.forward = self.forward_peak = 0
+        self.split_peak: Optional[int] = 0  # None: not measurable (CUDA), or no split B ran
+        self.split_backwards = 0
+        self._start = 0
+
+    def begin(self) -> None:
+        self._start = self.meter.open_window()
+
+    def end_forward(self, consumed: Optional[torch.Tensor]) -> None:
+        credit = storage_bytes(consumed)
+        held = self.meter.now() - self._start + credit
+        peak = self.meter.window_peak()
+        self.forward = max(self.forward, held)
+        self.forward_peak = max(self.forward_peak, held if peak is None else peak - self._start + credit)
+
+    def figures(self) -> dict:
+        """Plain numbers (the report travels between processes; the meter does not)."""
+        return {"forward": self.forward, "forward_peak": self.forward_peak, "split_peak": self.split_peak,
+                "split_backwards": self.split_backwards}
+
+    def end_split_backward(self) -> None:
+        peak = self.meter.window_peak()
+        self.split_backwards += 1
+        if peak is None:
+            self.split_peak = None
+        elif self.split_peak is not None:
+            self.split_peak = max(self.split_peak, peak - self._start)
+
+
+__all__ = ["CUDA_ALLOCATOR", "CUDA_ALLOCATOR_BOUND", "SAVED_TENSORS", "ActivationMeter", "TaskBytes", "model_tensors",
+           "storage_bytes"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..policy.actions import Task, format_order
 from ..trace.chrome import Span
@@ -32,6 +33,10 @@ class IterationReport:
     peak_activation_bytes: int = 0  # over the schedule call, relative to its start (runtime/memory.py)
     activation_measure: str = ""  # how: "cuda-allocator", "cuda-allocator-bound" (an upper bound) or "saved-tensors"
     buffer_limit: int = 0  # the arbiter's resolved limit on this stage (0: the limit did not apply)
+    byte_budget: float = 0.0  # the arbiter's byte budget on this stage (0: none; policy/membytes.py)
+    byte_weights: tuple = ()  # (forward, forward_peak, pending, split_peak, admit, split) it ran with, or ()
+    unsplit_backwards: int = 0  # B the byte budget ran unsplit (W a no-op)
+    task_bytes: Optional[dict] = None  # runtime.memory.TaskBytes.figures(): what this call's tasks weighed
     spans: list[Span] = field(default_factory=list)
 
     @property
