@@ -90,6 +90,7 @@ class DeviceTimeEmulator:
         self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
         self._link_clear = [0.0, 0.0]  # per direction: links are FIFO, like the simulator's
         self._installed = False
+        self.comm = None  # comm_emulation.CommEmulator when DP / expert communication is emulated
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -128,12 +129,17 @@ class DeviceTimeEmulator:
     def _run_task(self, task: Task, run):
         """Sleep the task's modeled device time, compute it, note when its output left."""
         start = time.time()
+        # device-side waits, counted as device time: a chunk's first forward on its all-gathered
+        # parameters, and the all-to-alls slept inside the task (comm_emulation.py)
+        waited = self.comm.before_task(task) if self.comm is not None else 0.0
         modeled = self._sleep(task)
         slept = time.time()
         cpu = time.thread_time()
         result = run()
         end = time.time()
-        self.tally.add(task.kind, modeled, slept - start - modeled, end - slept, time.thread_time() - cpu)
+        inside = self.comm.take_task_device() if self.comm is not None else 0.0
+        self.tally.add(task.kind, modeled + waited + inside, slept - start - modeled - waited, end - slept - inside,
+                       time.thread_time() - cpu)
         if task.kind is not Kind.W:
             self._sent(_F if task.kind is Kind.F else _B, task, end)
         self._span(task, start, end)

@@ -15,6 +15,7 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
   business: the emulator's never lets a message overtake an earlier one).
 * ``count_in_flight()`` — a counter of forwards whose backward has not run, fed by
   ``wrap_tasks``: the peak in flight of Megatron's own schedules, measured like RRFP's.
+* ``force_whole_stage_agreement()`` — the whole-stage agreement on CPU too (its cost, measured).
 """
 from __future__ import annotations
 
@@ -157,4 +158,17 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
     _delivery.delay = delay
 
 
-__all__ = ["InFlightCounter", "count_in_flight", "delay_messages", "delay_tasks", "wrap_tasks"]
+def force_whole_stage_agreement() -> None:
+    """From now on this process's RRFP calls apply the whole-stage agreement wherever CUDA would
+    (interleaving, DP > 1, an overlap flag: ``mcore/dp_overlap.py``), on any device: its
+    host-side cost, measured on CPU. Patches the name ``mcore.schedule`` calls."""
+    from ..mcore import dp_overlap, schedule
+
+    def on_any_device(models, *, device_type: str, **kwargs) -> bool:
+        return dp_overlap.whole_stage_agreement(models, device_type="cuda", **kwargs)
+
+    schedule.whole_stage_agreement = on_any_device
+
+
+__all__ = ["InFlightCounter", "count_in_flight", "delay_messages", "delay_tasks", "force_whole_stage_agreement",
+           "wrap_tasks"]
