@@ -184,8 +184,8 @@ class DeviceTimeEmulator:
         src_stage, src_chunk = locate(self.stage, receiver.chunk)
         mb = receiver.microbatch
         sent = float(self.table.table[src_stage, src_chunk, direction, mb])
-        if sent != sent:  # NaN: not recorded
-            return 0.0
+        if sent != sent:  # NaN: the message outran its sender's record (written after the task):
+            return self._link_clear[direction]  # it must still not overtake an earlier one (FIFO link)
         latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
         # one sender per direction: messages arrive in the order sent (FIFO link)
         usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear[direction])
