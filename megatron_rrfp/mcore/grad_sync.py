@@ -35,9 +35,10 @@ its weights. Reordering the Ws cannot help: on stage 0, the one stage with sever
 the one whose reductions end the iteration, the default policy runs a single W of each chunk
 after the chunk's last B (``scripts/dp_overlap_figures.py`` prints the count), and inside that W
 the weights complete in B's order (last layers first, the order of DDP's buckets), each bucket
-launching as its last weight is done. B-only parameters in buckets of their own would launch after the last B; the simulator
-puts that at 0.02-0.15 f0 per iteration (docs/production-configurations.md), and it needs a
-different bucket layout (megatron-core >= 0.19 takes one, ``full_param_layout``; 0.16 does not).
+launching as its last weight is done. B-only parameters in buckets of their own would launch
+after the last B; the simulator puts that at 0.02-0.15 f0 per iteration
+(docs/production-configurations.md), and it needs a different bucket layout (megatron-core
+>= 0.19 takes one, ``full_param_layout``; 0.16 does not).
 
 ``param_sync_func`` (distributed-optimizer parameter all-gather, interleaved): chunks 0 and 1
 before the first forward, chunk c + 1 (c >= 1) before chunk c's first forward — always
