@@ -109,20 +109,30 @@ def delay_tasks(delay: Optional[Callable[[Task], float]]) -> None:
 
 
 class _Delivery:
-    """One thread delivering held-back messages to their inbox when due."""
+    """One thread delivering held-back messages to their inbox when due. A message due at once
+    still queues behind those not yet delivered (a loaded host pops late): it must not
+    overtake an earlier one of its link."""
 
     def __init__(self, put: Callable) -> None:
         self.put = put
         self.delay: Optional[Callable[[Any], float]] = None
         self._cv = threading.Condition()
         self._heap: list = []
+        self._undelivered = 0  # held, or popped and not yet put
         self._seq = itertools.count()
         threading.Thread(target=self._loop, daemon=True, name="rrfp-bench-delivery").start()
 
-    def hold(self, inbox, message, seconds: float) -> None:
+    def deliver(self, inbox, message, seconds: float) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (time.monotonic() + seconds, next(self._seq), inbox, message))
-            self._cv.notify()
+            if seconds <= 0 and not self._undelivered:
+                direct = True
+            else:
+                direct = False
+                self._undelivered += 1
+                heapq.heappush(self._heap, (time.monotonic() + max(0.0, seconds), next(self._seq), inbox, message))
+                self._cv.notify()
+        if direct:
+            self.put(inbox, message)
 
     def _loop(self) -> None:
         while True:
@@ -131,6 +141,8 @@ class _Delivery:
                     self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
                 _, _, inbox, message = heapq.heappop(self._heap)
             self.put(inbox, message)
+            with self._cv:
+                self._undelivered -= 1
 
 
 _delivery: Optional[_Delivery] = None
@@ -148,11 +160,7 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
 
         @functools.wraps(Inbox.put)
         def put(inbox, message) -> None:
-            seconds = 0.0 if delivery.delay is None else delivery.delay(message)
-            if seconds > 0:
-                delivery.hold(inbox, message, seconds)
-            else:
-                delivery.put(inbox, message)
+            delivery.deliver(inbox, message, 0.0 if delivery.delay is None else delivery.delay(message))
 
         Inbox.put = put
     _delivery.delay = delay
