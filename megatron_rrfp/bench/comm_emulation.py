@@ -70,6 +70,8 @@ def check_communication(config) -> None:
     if config.a2a_ms and config.workload.expert_parallel < 2:
         raise ValueError(f"--a2a-ms {config.a2a_ms} needs --num-experts and --expert-model-parallel-size > 1 "
                          "(the all-to-alls it times)")
+    if config.transport not in ("auto", "threads", "rounds"):
+        raise ValueError(f"--rrfp-transport {config.transport!r}: choose auto, threads or rounds")
     if config.whole_stage_agreement and (config.num_chunks < 2 or config.data_parallel < 2
                                        or not (config.overlap_grad_reduce or config.overlap_param_gather)):
         raise ValueError("--whole-stage-agreement needs --chunks > 1, --dp > 1 and --overlap-grad-reduce "

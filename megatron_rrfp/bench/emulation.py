@@ -88,7 +88,9 @@ class DeviceTimeEmulator:
         self.rank = 0
         self._t0 = 0.0
         self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
-        self._link_clear = [0.0, 0.0]  # per direction: links are FIFO, like the simulator's
+        # per sending stage: a link is FIFO across both directions (at PP=2 interleaved one peer sends
+        # activations and gradients), as the host transport is; replicas following one link rely on it
+        self._link_clear: dict[int, float] = {}
         self._installed = False
         self.comm = None  # comm_emulation.CommEmulator when DP / expert communication is emulated
 
@@ -150,7 +152,7 @@ class DeviceTimeEmulator:
         self.spans = []
         self.tally = TaskTally()
         self._received = [0, 0]
-        self._link_clear = [0.0, 0.0]
+        self._link_clear = {}
         self._t0 = time.time()
 
     # -- RRFP's inbox hook -----------------------------------------------------------
@@ -185,11 +187,11 @@ class DeviceTimeEmulator:
         mb = receiver.microbatch
         sent = float(self.table.table[src_stage, src_chunk, direction, mb])
         if sent != sent:  # NaN: the message outran its sender's record (written after the task):
-            return self._link_clear[direction]  # it must still not overtake an earlier one (FIFO link)
+            return self._link_clear.get(src_stage, 0.0)  # it must still not overtake an earlier one (FIFO link)
         latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
         # one sender per direction: messages arrive in the order sent (FIFO link)
-        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear[direction])
-        self._link_clear[direction] = usable
+        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear.get(src_stage, 0.0))
+        self._link_clear[src_stage] = usable
         return usable
 
     def _span(self, task: Task, start: float, end: float) -> None:
