@@ -109,9 +109,10 @@ def delay_tasks(delay: Optional[Callable[[Task], float]]) -> None:
 
 
 class _Delivery:
-    """One thread delivering held-back messages to their inbox when due. A message due at once
-    still queues behind those not yet delivered (a loaded host pops late): it must not
-    overtake an earlier one of its link."""
+    """One thread delivering held-back messages to their inbox in order of due time. While any
+    is undelivered, a message due at once joins the queue too, behind those due before it:
+    put directly, it overtook a message whose time had come but which the thread had not yet
+    handed over (a loaded host runs it late), reordering a FIFO link."""
 
     def __init__(self, put: Callable) -> None:
         self.put = put
