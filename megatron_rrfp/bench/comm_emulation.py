@@ -194,37 +194,27 @@ def _patch_megatron() -> None:
 
     if getattr(_ParamAndGradBucketGroup, "_rrfp_comm_emulated", False):
         return
-    start, finish = _ParamAndGradBucketGroup.start_grad_sync, _ParamAndGradBucketGroup.finish_grad_sync
 
-    @functools.wraps(start)
-    def start_grad_sync(self, *args, **kwargs):
-        result = start(self, *args, **kwargs)
-        if _active[0] is not None:
-            _active[0].launched(self)
-        return result
+    def then(method, notify: str):  # a bucket-group method, then the emulator's ``notify(group)``
+        @functools.wraps(method)
+        def run(group, *args, **kwargs):
+            result = method(group, *args, **kwargs)
+            if _active[0] is not None:
+                getattr(_active[0], notify)(group)
+            return result
+        return run
 
-    @functools.wraps(finish)
-    def finish_grad_sync(self, *args, **kwargs):
-        result = finish(self, *args, **kwargs)
-        if _active[0] is not None:
-            _active[0].finished(self)
-        return result
+    def timed(step):  # _AllToAll's forward or backward, then its emulated device time
+        def run(ctx, *args, **kwargs):
+            out = step(ctx, *args, **kwargs)
+            _emulate_all_to_all()
+            return out
+        return staticmethod(run)
 
-    forward, backward = mappings._AllToAll.forward, mappings._AllToAll.backward
-
-    def a2a_forward(ctx, *args, **kwargs):
-        out = forward(ctx, *args, **kwargs)
-        _emulate_all_to_all()
-        return out
-
-    def a2a_backward(ctx, *args, **kwargs):
-        out = backward(ctx, *args, **kwargs)
-        _emulate_all_to_all()
-        return out
-
-    _ParamAndGradBucketGroup.start_grad_sync, _ParamAndGradBucketGroup.finish_grad_sync = \
-        start_grad_sync, finish_grad_sync
-    mappings._AllToAll.forward, mappings._AllToAll.backward = staticmethod(a2a_forward), staticmethod(a2a_backward)
+    _ParamAndGradBucketGroup.start_grad_sync = then(_ParamAndGradBucketGroup.start_grad_sync, "launched")
+    _ParamAndGradBucketGroup.finish_grad_sync = then(_ParamAndGradBucketGroup.finish_grad_sync, "finished")
+    mappings._AllToAll.forward, mappings._AllToAll.backward = \
+        timed(mappings._AllToAll.forward), timed(mappings._AllToAll.backward)
     _ParamAndGradBucketGroup._rrfp_comm_emulated = True
 
 
@@ -232,6 +222,3 @@ def _emulate_all_to_all() -> None:
     if _active[0] is not None:
         _active[0].all_to_all()
 
-
-def active() -> Optional[CommEmulator]:
-    return _active[0]
