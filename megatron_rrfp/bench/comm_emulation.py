@@ -221,4 +221,3 @@ def _patch_megatron() -> None:
 def _emulate_all_to_all() -> None:
     if _active[0] is not None:
         _active[0].all_to_all()
-
