@@ -120,6 +120,7 @@ class _Delivery:
         self._cv = threading.Condition()
         self._heap: list = []
         self._undelivered = 0  # held, or popped and not yet put
+        self._last_due: dict = {}  # (inbox, sender) -> due time of its last held message: FIFO per link
         self._seq = itertools.count()
         threading.Thread(target=self._loop, daemon=True, name="rrfp-bench-delivery").start()
 
@@ -130,7 +131,10 @@ class _Delivery:
             else:
                 direct = False
                 self._undelivered += 1
-                heapq.heappush(self._heap, (time.monotonic() + max(0.0, seconds), next(self._seq), inbox, message))
+                link = (id(inbox), getattr(message, "src", None))
+                # never before the link's previous message (the delay is read off another clock)
+                due = self._last_due[link] = max(time.monotonic() + max(0.0, seconds), self._last_due.get(link, 0.0))
+                heapq.heappush(self._heap, (due, next(self._seq), inbox, message))
                 self._cv.notify()
         if direct:
             self.put(inbox, message)
