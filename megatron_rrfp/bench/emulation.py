@@ -189,7 +189,7 @@ class DeviceTimeEmulator:
         if sent != sent:  # NaN: the message outran its sender's record (written after the task):
             return self._link_clear.get(src_stage, 0.0)  # it must still not overtake an earlier one (FIFO link)
         latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
-        # one sender per direction: messages arrive in the order sent (FIFO link)
+        # one sender per link: messages arrive in the order sent (FIFO link)
         usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear.get(src_stage, 0.0))
         self._link_clear[src_stage] = usable
         return usable
