@@ -126,7 +126,7 @@ class DeviceTimeEmulator:
 
     def delay_rrfp_messages(self, enabled: bool) -> None:
         """Hold RRFP's received messages until their modeled arrival (on) or not (off)."""
-        delay_messages(self.message_delay if enabled else None)
+        delay_messages(self.message_delay if enabled else None, fifo_per_sender=True)
 
     def _run_task(self, task: Task, run):
         """Sleep the task's modeled device time, compute it, note when its output left."""

@@ -10,9 +10,9 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
   random delays or a hang.
 * ``delay_tasks(delay)`` — sleep ``delay(task)`` seconds before each task (on top of
   ``wrap_tasks``): drifting stages, a hung rank.
-* ``delay_messages(delay)`` — every message the executor's inbox receives is held back
-  ``delay(message)`` seconds: emulated link latency (a FIFO link is the delay function's
-  business: the emulator's never lets a message overtake an earlier one).
+* ``delay_messages(delay, fifo_per_sender=...)`` — every message the executor's inbox receives
+  is held back ``delay(message)`` seconds: emulated link latency (the emulator asks for FIFO
+  links: no message overtakes an earlier one from its sender).
 * ``count_in_flight()`` — a counter of forwards whose backward has not run, fed by
   ``wrap_tasks``: the peak in flight of Megatron's own schedules, measured like RRFP's.
 * ``force_whole_stage_agreement()`` — the whole-stage agreement on CPU too (its cost, measured).
@@ -120,6 +120,7 @@ class _Delivery:
         self._cv = threading.Condition()
         self._heap: list = []
         self._undelivered = 0  # held, or popped and not yet put
+        self.fifo_per_sender = False
         self._last_due: dict = {}  # (inbox, sender) -> due time of its last held message: FIFO per link
         self._seq = itertools.count()
         threading.Thread(target=self._loop, daemon=True, name="rrfp-bench-delivery").start()
@@ -131,9 +132,10 @@ class _Delivery:
             else:
                 direct = False
                 self._undelivered += 1
-                link = (id(inbox), getattr(message, "src", None))
-                # never before the link's previous message (the delay is read off another clock)
-                due = self._last_due[link] = max(time.monotonic() + max(0.0, seconds), self._last_due.get(link, 0.0))
+                due = time.monotonic() + max(0.0, seconds)
+                if self.fifo_per_sender:  # never before the link's previous message, whatever the delays
+                    link = (id(inbox), getattr(message, "src", None))
+                    due = self._last_due[link] = max(due, self._last_due.get(link, 0.0))
                 heapq.heappush(self._heap, (due, next(self._seq), inbox, message))
                 self._cv.notify()
         if direct:
@@ -153,9 +155,11 @@ class _Delivery:
 _delivery: Optional[_Delivery] = None
 
 
-def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
+def delay_messages(delay: Optional[Callable[[Any], float]], *, fifo_per_sender: bool = False) -> None:
     """From now on, hold each message back ``delay(message)`` seconds before the executor
-    sees it (None: deliver at once again). Process-wide; installs itself on first use."""
+    sees it (None: deliver at once again); with ``fifo_per_sender`` no message overtakes an
+    earlier one from the same sender (a FIFO link, as the transports are), whatever the
+    delays. Process-wide; installs itself on first use."""
     global _delivery
     from ..runtime.inbox import Inbox
 
@@ -168,7 +172,7 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
             delivery.deliver(inbox, message, 0.0 if delivery.delay is None else delivery.delay(message))
 
         Inbox.put = put
-    _delivery.delay = delay
+    _delivery.delay, _delivery.fifo_per_sender = delay, fifo_per_sender
 
 
 def force_whole_stage_agreement() -> None:
