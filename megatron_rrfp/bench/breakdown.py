@@ -15,6 +15,9 @@ Per rank and measured iteration (``bench_rank`` records the raw figures; the emu
 * ``agree_s``, ``wait_s`` (bubble, incl. backpressure), ``flush_s``: the executor's own;
 * ``threads_cpu_s``: CPU seconds of the rank's other threads (transport, gloo, delivery)
   during the call — on a 2-core host they compete with the compute thread.
+* ``dp_wait_s``: emulated DP communication the schedule left exposed (``comm_emulation.py``:
+  waiting in ``finish_grad_sync`` for reductions, in a chunk's first forward for its all-gather,
+  and a step's all-gathers without overlap).
 
 Host noise is separated three ways: device time dominates the tasks (tiny models), the
 CPU-time ratio (``device + host_cpu``) is not inflated by preemption, and ``--interleave``
@@ -27,7 +30,7 @@ from typing import Optional
 
 KINDS = ("F", "B", "W")
 METRICS = ("device_s", "overrun_s", "host_s", "host_cpu_s", "task_s", "executor_s", "runtime_s", "agree_s",
-           "wait_s", "flush_s", "threads_cpu_s", "tasks")
+           "wait_s", "flush_s", "threads_cpu_s", "tasks", "dp_wait_s")
 
 
 def iteration_breakdown(record: dict) -> dict:
@@ -42,7 +45,7 @@ def iteration_breakdown(record: dict) -> dict:
     count = total("count")
     executor = record.get("executor")
     out = {"device_s": device, "overrun_s": overrun, "host_s": host, "host_cpu_s": host_cpu,
-           "threads_cpu_s": record["other_threads_cpu_s"], "tasks": count}
+           "threads_cpu_s": record["other_threads_cpu_s"], "tasks": count, "dp_wait_s": record.get("dp_wait_s", 0.0)}
     if executor is None:  # Megatron's own schedule: its tasks are the hooked spans
         out.update(task_s=record["busy_s"], executor_s=0.0, runtime_s=0.0, agree_s=0.0, wait_s=0.0, flush_s=0.0)
         per_task_runtime = 0.0

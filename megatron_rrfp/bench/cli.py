@@ -64,6 +64,21 @@ def add_bench_parsers(sub) -> None:
                                 help="megatron-core DDP around the stages, reductions overlapped with the backward")
         production.add_argument("--use-distributed-optimizer", action="store_true",
                                 help="DDP's distributed-optimizer layout (reduce-scatter of gradients)")
+        production.add_argument("--overlap-param-gather", action="store_true",
+                                help="parameter all-gathers overlapped with the forwards (emulated: --dp-gather-ms)")
+        production.add_argument("--dp-reduce-ms", type=bounds["--dp-reduce-ms"], default=0.0,
+                                help="emulated device time of one model chunk's DP gradient reduction (over its "
+                                     "buckets by size); at the end without --overlap-grad-reduce")
+        production.add_argument("--dp-gather-ms", type=bounds["--dp-gather-ms"], default=0.0,
+                                help="emulated device time of one model chunk's parameter all-gather "
+                                     "(--use-distributed-optimizer; after the step without --overlap-param-gather)")
+        production.add_argument("--a2a-ms", type=bounds["--a2a-ms"], default=0.0,
+                                help="emulated device time of each MoE expert all-to-all (dispatch, combine; F and B)")
+        production.add_argument("--rrfp-transport", default="auto", choices=("auto", "threads", "rounds"),
+                                help="RRFP's transport: rounds = the NCCL protocol CUDA runs, here on gloo")
+        production.add_argument("--whole-stage-agreement", action="store_true",
+                                help="RRFP agrees over every DP replica of a stage, as on CUDA with interleaving, "
+                                     "DP > 1 and overlap: measures the rule's cost on CPU")
         p.set_defaults(func=_run_bench)
 
 
@@ -95,6 +110,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         seed=args.seed, buffer_limit=args.buffer_limit, out_dir=args.out, timeout_s=args.timeout,
         goodput_ledger=args.goodput_ledger, sequence_parallel=args.sequence_parallel,
         overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather, dp_reduce_ms=args.dp_reduce_ms,
+        dp_gather_ms=args.dp_gather_ms, a2a_ms=args.a2a_ms, whole_stage_agreement=args.whole_stage_agreement,
+        transport=args.rrfp_transport,
         image_size=args.img_h if llava is not None else None, patch_dim=args.patch_dim)
     report = run_bench(config)
     print(format_table(report))

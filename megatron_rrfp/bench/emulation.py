@@ -89,8 +89,11 @@ class DeviceTimeEmulator:
         self.rank = 0
         self._t0 = 0.0
         self._received = [0, 0]  # activations, gradients received this iteration (Megatron path)
-        self._link_clear = [0.0, 0.0]  # per direction: links are FIFO, like the simulator's
+        # per sending stage: a link is FIFO across both directions (at PP=2 interleaved one peer sends
+        # activations and gradients), as the host transport is; replicas following one link rely on it
+        self._link_clear: dict[int, float] = {}
         self._installed = False
+        self.comm = None  # comm_emulation.CommEmulator when DP / expert communication is emulated
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -124,17 +127,22 @@ class DeviceTimeEmulator:
 
     def delay_rrfp_messages(self, enabled: bool) -> None:
         """Hold RRFP's received messages until their modeled arrival (on) or not (off)."""
-        delay_messages(self.message_delay if enabled else None)
+        delay_messages(self.message_delay if enabled else None, fifo_per_sender=True)
 
     def _run_task(self, task: Task, run):
         """Sleep the task's modeled device time, compute it, note when its output left."""
         start = time.time()
+        # device-side waits, counted as device time: a chunk's first forward on its all-gathered
+        # parameters, and the all-to-alls slept inside the task (comm_emulation.py)
+        waited = self.comm.before_task(task) if self.comm is not None else 0.0
         modeled = self._sleep(task)
         slept = time.time()
         cpu = time.thread_time()
         result = run()
         end = time.time()
-        self.tally.add(task.kind, modeled, slept - start - modeled, end - slept, time.thread_time() - cpu)
+        inside = self.comm.take_task_device() if self.comm is not None else 0.0
+        self.tally.add(task.kind, modeled + waited + inside, slept - start - modeled - waited, end - slept - inside,
+                       time.thread_time() - cpu)
         if task.kind is not Kind.W:
             self._sent(_F if task.kind is Kind.F else _B, task, end)
         self._span(task, start, end)
@@ -146,7 +154,7 @@ class DeviceTimeEmulator:
         self.tally = TaskTally()
         self._unsplit: set[tuple[int, int]] = set()
         self._received = [0, 0]
-        self._link_clear = [0.0, 0.0]
+        self._link_clear = {}
         self._t0 = time.time()
 
     # -- RRFP's inbox hook -----------------------------------------------------------
@@ -196,12 +204,12 @@ class DeviceTimeEmulator:
         src_stage, src_chunk = locate(self.stage, receiver.chunk)
         mb = receiver.microbatch
         sent = float(self.table.table[src_stage, src_chunk, direction, mb])
-        if sent != sent:  # NaN: not recorded
-            return 0.0
+        if sent != sent:  # NaN: the message outran its sender's record (written after the task):
+            return self._link_clear.get(src_stage, 0.0)  # it must still not overtake an earlier one (FIFO link)
         latencies = self.realization.activation_latency if direction == _F else self.realization.gradient_latency
-        # one sender per direction: messages arrive in the order sent (FIFO link)
-        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear[direction])
-        self._link_clear[direction] = usable
+        # one sender per link: messages arrive in the order sent (FIFO link)
+        usable = max(sent + latencies[src_stage][src_chunk][mb], self._link_clear.get(src_stage, 0.0))
+        self._link_clear[src_stage] = usable
         return usable
 
     def _span(self, task: Task, start: float, end: float) -> None:

@@ -10,14 +10,15 @@ Nothing here is part of the shipped runtime. Each installer patches one process:
   random delays or a hang.
 * ``delay_tasks(delay)`` — sleep ``delay(task)`` seconds before each task (on top of
   ``wrap_tasks``): drifting stages, a hung rank.
-* ``delay_messages(delay)`` — every message the executor's inbox receives is held back
-  ``delay(message)`` seconds: emulated link latency (a FIFO link is the delay function's
-  business: the emulator's never lets a message overtake an earlier one).
+* ``delay_messages(delay, fifo_per_sender=...)`` — every message the executor's inbox receives
+  is held back ``delay(message)`` seconds: emulated link latency (the emulator asks for FIFO
+  links: no message overtakes an earlier one from its sender).
 * ``count_in_flight()`` — a counter of forwards whose backward has not run, fed by
   ``wrap_tasks``: the peak in flight of Megatron's own schedules, measured like RRFP's.
 * ``count_received(meter)`` — every tensor Megatron's own schedules receive
   (``P2PCommunicator._communicate``) is counted by ``meter`` until its last reference goes, as
   RRFP's meter counts the messages waiting in its executor: both schedules' receive buffers.
+* ``force_whole_stage_agreement()`` — the whole-stage agreement on CPU too (its cost, measured).
 """
 from __future__ import annotations
 
@@ -111,20 +112,37 @@ def delay_tasks(delay: Optional[Callable[[Task], float]]) -> None:
 
 
 class _Delivery:
-    """One thread delivering held-back messages to their inbox when due."""
+    """One thread delivering held-back messages to their inbox in order of due time. While any
+    is undelivered, a message due at once joins the queue too, behind those due before it:
+    put directly, it overtook a message whose time had come but which the thread had not yet
+    handed over (a loaded host runs it late), reordering a FIFO link."""
 
     def __init__(self, put: Callable) -> None:
         self.put = put
         self.delay: Optional[Callable[[Any], float]] = None
         self._cv = threading.Condition()
         self._heap: list = []
+        self._undelivered = 0  # held, or popped and not yet put
+        self.fifo_per_sender = False
+        self._last_due: dict = {}  # (inbox, sender) -> due time of its last held message: FIFO per link
         self._seq = itertools.count()
         threading.Thread(target=self._loop, daemon=True, name="rrfp-bench-delivery").start()
 
-    def hold(self, inbox, message, seconds: float) -> None:
+    def deliver(self, inbox, message, seconds: float) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (time.monotonic() + seconds, next(self._seq), inbox, message))
-            self._cv.notify()
+            if seconds <= 0 and not self._undelivered:
+                direct = True
+            else:
+                direct = False
+                self._undelivered += 1
+                due = time.monotonic() + max(0.0, seconds)
+                if self.fifo_per_sender:  # never before the link's previous message, whatever the delays
+                    link = (id(inbox), getattr(message, "src", None))
+                    due = self._last_due[link] = max(due, self._last_due.get(link, 0.0))
+                heapq.heappush(self._heap, (due, next(self._seq), inbox, message))
+                self._cv.notify()
+        if direct:
+            self.put(inbox, message)
 
     def _loop(self) -> None:
         while True:
@@ -133,14 +151,18 @@ class _Delivery:
                     self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
                 _, _, inbox, message = heapq.heappop(self._heap)
             self.put(inbox, message)
+            with self._cv:
+                self._undelivered -= 1
 
 
 _delivery: Optional[_Delivery] = None
 
 
-def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
+def delay_messages(delay: Optional[Callable[[Any], float]], *, fifo_per_sender: bool = False) -> None:
     """From now on, hold each message back ``delay(message)`` seconds before the executor
-    sees it (None: deliver at once again). Process-wide; installs itself on first use."""
+    sees it (None: deliver at once again); with ``fifo_per_sender`` no message overtakes an
+    earlier one from the same sender (a FIFO link, as the transports are), whatever the
+    delays. Process-wide; installs itself on first use."""
     global _delivery
     from ..runtime.inbox import Inbox
 
@@ -150,14 +172,10 @@ def delay_messages(delay: Optional[Callable[[Any], float]]) -> None:
 
         @functools.wraps(Inbox.put)
         def put(inbox, message) -> None:
-            seconds = 0.0 if delivery.delay is None else delivery.delay(message)
-            if seconds > 0:
-                delivery.hold(inbox, message, seconds)
-            else:
-                delivery.put(inbox, message)
+            delivery.deliver(inbox, message, 0.0 if delivery.delay is None else delivery.delay(message))
 
         Inbox.put = put
-    _delivery.delay = delay
+    _delivery.delay, _delivery.fifo_per_sender = delay, fifo_per_sender
 
 
 def count_received(meter) -> None:
@@ -184,4 +202,18 @@ def count_received(meter) -> None:
 
 _received_meter: list = []  # [the meter counting Megatron's receives, or None] once installed
 
-__all__ = ["InFlightCounter", "count_in_flight", "count_received", "delay_messages", "delay_tasks", "wrap_tasks"]
+
+def force_whole_stage_agreement() -> None:
+    """From now on this process's RRFP calls apply the whole-stage agreement wherever CUDA would
+    (interleaving, DP > 1, an overlap flag: ``mcore/dp_overlap.py``), on any device: its
+    host-side cost, measured on CPU. Patches the name ``mcore.schedule`` calls."""
+    from ..mcore import dp_overlap, schedule
+
+    def on_any_device(models, *, device_type: str, **kwargs) -> bool:
+        return dp_overlap.whole_stage_agreement(models, device_type="cuda", **kwargs)
+
+    schedule.whole_stage_agreement = on_any_device
+
+
+__all__ = ["InFlightCounter", "count_in_flight", "count_received", "delay_messages", "delay_tasks",
+           "force_whole_stage_agreement", "wrap_tasks"]

@@ -32,6 +32,7 @@ from ..checks import BUFFER_LIMITS, TIMEOUT_S, Bound, bound, check_fields, integ
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec, check_limit_spec, starting_limit
 from ..sim.variability import VARIABILITY_LEVELS, Variability
+from .comm_emulation import check_communication
 from .stages import build_stage, with_ddp
 from .summary import BREAKDOWN, summarize
 from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list
@@ -88,6 +89,22 @@ class BenchConfig:
     no_sync / finalize_model_grads hooks), for every schedule alike."""
     use_distributed_optimizer: bool = False
     """DDP's distributed-optimizer layout (reduce-scatter); implies the DDP wrapping."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's --overlap-param-gather (needs the two flags above): the parameter all-gathers
+    launch at the iteration's start and each chunk's first forward waits for its first bucket;
+    emulated only (``dp_gather_ms``; the bench has no optimizer step: bench/comm_emulation.py)."""
+    dp_reduce_ms: float = 0.0
+    """Emulated device time of one model chunk's DP gradient reduction, split over its DDP buckets by
+    elements: what overlapping it is worth (at the end without --overlap-grad-reduce)."""
+    dp_gather_ms: float = 0.0
+    """Emulated device time of one model chunk's parameter all-gather (--use-distributed-optimizer)."""
+    a2a_ms: float = 0.0
+    """Emulated device time of each MoE expert all-to-all (dispatch / combine, in F and in B)."""
+    transport: str = "auto"
+    """RRFP's transport (RRFPConfig.transport): auto, threads, or rounds (the NCCL protocol CUDA runs, on gloo)."""
+    whole_stage_agreement: bool = False
+    """Apply the whole-stage agreement (mcore/dp_overlap.py: CUDA applies it with interleaving, DP > 1
+    and an overlap flag) on CPU too, to measure what it costs (the breakdown's agree_s)."""
     image_size: Optional[int] = None
     """multimodal: LLaVA's image side (--img-h); one image of (image_size / patch_dim)^2
     tokens per sample instead of the recipe's default images (bench/stages.py)."""
@@ -98,13 +115,15 @@ class BenchConfig:
         "data_parallel": integer(1, 64), "num_microbatches": integer(1, 10_000), "micro_batch_size": integer(1, 4096),
         "seq_length": integer(1, 1 << 20), "hidden_size": integer(1, 1 << 16), "f0_ms": bound(0, 60_000, low_open=True),
         "iterations": integer(1, 10_000), "warmup": integer(0, 10_000), "seed": integer(0, 2**31 - 1),
-        "buffer_limit": BUFFER_LIMITS, "timeout_s": TIMEOUT_S,
+        "buffer_limit": BUFFER_LIMITS, "timeout_s": TIMEOUT_S, "dp_reduce_ms": bound(0, 60_000),
+        "dp_gather_ms": bound(0, 60_000), "a2a_ms": bound(0, 60_000),
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "pipeline_size": "--pp", "num_chunks": "--chunks", "tensor_parallel": "--tp", "data_parallel": "--dp",
         "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch-size", "seq_length": "--seq-length",
         "hidden_size": "--hidden-size", "f0_ms": "--f0-ms", "iterations": "--iterations", "warmup": "--warmup",
-        "seed": "--seed", "buffer_limit": "--buffer-limit", "timeout_s": "--timeout",
+        "seed": "--seed", "buffer_limit": "--buffer-limit", "timeout_s": "--timeout", "dp_reduce_ms": "--dp-reduce-ms",
+        "dp_gather_ms": "--dp-gather-ms", "a2a_ms": "--a2a-ms",
     }
     MAX_LOCAL_RANKS = 128
     _HEADS = 4  # attention heads of the benchmark's tiny models (train.models.tiny_gpt_config, the ViT's spec)
@@ -144,6 +163,7 @@ class BenchConfig:
         if self.num_chunks < 1 or (self.num_chunks > 1 and self.model == "multimodal"):
             raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt or hybrid")
         self._check_values_and_layout()
+        check_communication(self)
 
     def _check_values_and_layout(self) -> None:
         """Every value in range and consistent with the layout, before any rank starts."""
@@ -219,8 +239,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     from ..policy.topology import Topology
     from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
+    from .comm_emulation import comm_emulator
     from .emulation import DeviceTimeEmulator, SendTimeTable
-    from .hooks import count_in_flight, count_received
+    from .hooks import count_in_flight, count_received, force_whole_stage_agreement
 
     enable_cpu_reference_schedules()  # a no-op where CUDA is available
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
@@ -235,6 +256,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         if table_path else None
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
                                   table=table).install()
+    emulator.comm = comm = comm_emulator(config, stage)  # None without emulated DP / expert communication
+    if config.whole_stage_agreement:
+        force_whole_stage_agreement()
     megatron_in_flight = count_in_flight()
     megatron_meter = ActivationMeter(pipeline_device(),
                                      persistent=model_tensors(stage if isinstance(stage, list) else [stage]))
@@ -280,6 +304,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         recorder.iteration_start(ledger_iteration)
         cpu = (time.process_time(), time.thread_time())
         start = time.time()
+        if comm is not None:
+            comm.begin_iteration()
         if schedule == "megatron-1f1b":
             megatron_in_flight.reset()
             megatron_in_flight.active = True
@@ -292,7 +318,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             breakdown, report = None, None
             measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
         else:
-            options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True)
+            options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True,
+                                 transport=config.transport)
             forward_backward_rrfp(rrfp_config=options, **kwargs)
             report = last_iteration_report()
             own_spans = report.spans
@@ -300,6 +327,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
                         report.activation_measure)
             memory["byte_weights"] = report.byte_weights  # the last call's: the simulation models it
+        if comm is not None:
+            comm.after_call()  # the step's all-gathers without --overlap-param-gather
         elapsed = time.time() - start
         # CPU seconds of this process's other threads (transport, delivery, gloo) meanwhile
         other_cpu = (time.process_time() - cpu[0]) - (time.thread_time() - cpu[1])
@@ -314,7 +343,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             own["busy"].append(float(busy_total))
             own["spans"] = own_spans
             own["tasks"].append({"by_kind": emulator.tally.as_dict(), "other_threads_cpu_s": other_cpu,
-                                 "rank_wall_s": elapsed, "busy_s": compute, "executor": breakdown})
+                                 "rank_wall_s": elapsed, "busy_s": compute, "executor": breakdown,
+                                 "dp_wait_s": comm.exposed_s if comm is not None else 0.0})
             if breakdown is not None:
                 own["breakdowns"].append(breakdown)
         # memory over every call, warm-up included: the first call must fit too (docs/memory.md)

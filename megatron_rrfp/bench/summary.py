@@ -46,6 +46,7 @@ def summarize(config, per_rank: list[dict]) -> dict:
     host_costs = {run.key: stage_host_costs(per_rank, run.key, config.pipeline_size) for run in bench_runs}
     sims: dict[str, list[float]] = {}
     sims_host: dict[str, list[float]] = {}  # the same, each task plus its schedule's measured host cost
+    sims_dp: dict[str, list[float]] = {}  # the same with the emulated DP communication (sim/dp_comm.py)
     realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
                     for i in range(config.warmup, config.warmup + config.iterations)]
     byte_budgets = {run.key: _byte_budgets(per_rank, run.key, config.pipeline_size) for run in bench_runs}
@@ -56,6 +57,8 @@ def summarize(config, per_rank: list[dict]) -> dict:
                                      memory_bytes=byte_budgets[run.key])
             sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
                                                          realization).makespan)
+            if config.dp_reduce_ms or config.dp_gather_ms:
+                sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization))
             if host_costs[run.key] is not None:
                 sims_host.setdefault(run.key, []).append(simulate(
                     arbiter_config, topology, config.num_microbatches,
@@ -93,6 +96,8 @@ def summarize(config, per_rank: list[dict]) -> dict:
             "simulated_iteration_time_s_with_host_cost": statistics.median(sims_host[key])
             if key in sims_host else None,
         })
+        if key in sims_dp:  # the simulator's own DP model, for the emulated DP communication
+            runs[-1]["simulated_iteration_time_s_with_dp_comm"] = statistics.median(sims_dp[key])
     for run in runs:
         run["gap_explanation"] = explain_gap(run, runs[0])
     report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
@@ -101,6 +106,20 @@ def summarize(config, per_rank: list[dict]) -> dict:
         megatron_in_flight = max(r["runs"]["megatron-1f1b"]["peak_in_flight"] for r in per_rank)
         report["tradeoff"] = tradeoff_section(config, runs, megatron_in_flight, megatron_peak)
     return report
+
+
+def _with_dp_comm(config, arbiter_config, topology, realization) -> float:
+    """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
+    bench's DDP layout), the bench's emulated times (seconds, like the realization's)."""
+    from ..sim.dp_comm import DPComm, iteration_time
+    from ..sim.simulator import simulate
+
+    trace = simulate(arbiter_config, topology, config.num_microbatches, realization, record_trace=True).trace
+    comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,
+                  buckets_per_chunk=1)
+    return iteration_time(trace, topology.num_stages, topology.num_chunks, comm,
+                          overlap_grad_reduce=config.overlap_grad_reduce,
+                          overlap_param_gather=config.overlap_param_gather)
 
 
 def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:

@@ -37,6 +37,12 @@ def format_table(report: dict) -> str:
         lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
     if sweep:
         lines.append("fixed orders (megatron-1f1b, *-strict) ran once: a buffer limit does not change their order")
+    dp = [(label, r) for label, r in zip(labels, report["runs"]) if "simulated_iteration_time_s_with_dp_comm" in r]
+    if dp:  # emulated DP communication (bench/comm_emulation.py): what stayed exposed, and the simulator's view
+        lines.append("DP communication: " + "; ".join(
+            f"{label} sim+dp {r['simulated_iteration_time_s_with_dp_comm']:.3f} s, exposed "
+            f"{(r.get('task_breakdown') or {}).get('dp_wait_s', {}).get('median', float('nan')):.3f} s/rank"
+            for label, r in dp))
     lines.extend(format_breakdown(report, labels, width))
     return "\n".join(lines)
 

@@ -27,6 +27,19 @@ microbatch and the policy runs W in B order), and inside a W the weights complet
 order, so every DP replica of a stage launches the same buckets in the same order whatever
 the timing (runtime/rounds.py's argument, extended there).
 
+Why no reduction can start before a chunk's last W under megatron's bucket layout (so none is
+tried): DDP buckets only pipeline rank 0 (``pp_rank > 0`` gets one bucket per chunk) and
+Megatron-LM only chunk 0 there, and every bucket mixes W-computed weights with B-only
+parameters (biases, norms), so a bucket is complete only once its chunk's last W has computed
+its weights. Reordering the Ws cannot help: on stage 0, the one stage with several buckets and
+the one whose reductions end the iteration, the default policy runs a single W of each chunk
+after the chunk's last B (``scripts/dp_overlap_figures.py`` prints the count), and inside that W
+the weights complete in B's order (last layers first, the order of DDP's buckets), each bucket
+launching as its last weight is done. B-only parameters in buckets of their own would launch
+after the last B; the simulator puts that at 0.02-0.15 f0 per iteration
+(docs/production-configurations.md), and it needs a different bucket layout (megatron-core
+>= 0.19 takes one, ``full_param_layout``; 0.16 does not).
+
 ``param_sync_func`` (distributed-optimizer parameter all-gather, interleaved): chunks 0 and 1
 before the first forward, chunk c + 1 (c >= 1) before chunk c's first forward — always
 before chunk c + 1 can run its own first forward on this rank.
