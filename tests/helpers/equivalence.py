@@ -211,6 +211,7 @@ def compare_with_megatron(case: Case) -> dict:
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
     loss_err = grad_err = 0.0
     losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds, launch_log = [], [], [], 0, 0, []
+    unsplit = 0  # B the byte budget ran unsplit (their W a no-op)
     for iteration in range(case.iterations):
         results = []
         tasks_started[0] = 0
@@ -231,6 +232,7 @@ def compare_with_megatron(case: Case) -> dict:
         report = last_iteration_report()
         orders.append(report.order_string)
         agree_rounds += report.agree_rounds
+        unsplit += report.unsplit_backwards
         wgrad_bytes = max(wgrad_bytes, report.peak_deferred_wgrad_bytes)
         if len(ref_losses) != len(our_losses):
             raise AssertionError(f"rank {rank}: {len(our_losses)} losses vs megatron's {len(ref_losses)}")
@@ -258,7 +260,7 @@ def compare_with_megatron(case: Case) -> dict:
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
         "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds, "bucket_launches": launch_log,
-        "grouped_te": grouped_te,
+        "grouped_te": grouped_te, "unsplit_backwards": unsplit,
     }
 
 
