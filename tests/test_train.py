@@ -318,9 +318,9 @@ def test_interleaving_flags_are_checked_before_any_rank_starts():
         "--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "4", world=4)
 
 
-def test_sequence_parallel_needs_tensor_parallelism():
-    result = train(*TINY, "--sequence-parallel")
-    assert result.returncode != 0 and "--sequence-parallel needs --tensor-model-parallel-size > 1" in result.stderr
+def test_sequence_parallel_needs_tensor_parallelism(capsys):
+    code, err = train_in_process(capsys, *TINY, "--sequence-parallel")
+    assert code != 0 and "--sequence-parallel needs --tensor-model-parallel-size > 1" in err
 
 
 def test_collective_timeout_must_exceed_rrfp_timeout_plus_margin():

@@ -6,7 +6,8 @@
 * a run killed at iteration 5 and resumed from its iteration-4 checkpoint: the goodput
   report shows the lost work and the recovery time, and the final loss is the
   uninterrupted run's;
-* a ledger in a read-only directory: a warning, and training completes.
+* a ledger in a read-only directory: a warning, and training completes (that launch, of 8
+  uninterrupted iterations, is also the run the restart must end like).
 
 A rank is killed by a fault-injection hook this test installs from outside the package
 (``helpers/fault_site/sitecustomize.py`` on the job's PYTHONPATH). Every launch is a
@@ -134,8 +135,22 @@ def test_a_rank_killed_mid_iteration_stops_the_job_with_a_diagnosis_and_a_ledger
     print(f"kill -> exit {seconds:.2f} s; disruption: {disruption.message.splitlines()[0]}")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """TINY's 8 iterations, never stopped: the losses a restart must reproduce. Its ledger is
+    in a read-only directory where one can be mounted (root), so the same launch shows that a
+    ledger which cannot be written only warns (a ledger never changes the math).
+    Returns (launch, the read-only directory, why there is none or None, its listing after the run)."""
+    directory = tmp_path_factory.mktemp("uninterrupted") / "read-only"
+    with read_only_tmpfs(directory) as why_not:
+        run = launch(*TINY, *(() if why_not else ("--rrfp-goodput-ledger", str(directory / "goodput.db"))))
+        listing = None if why_not else os.listdir(directory)
+    return run, directory, why_not, listing
+
+
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
-def test_restart_from_the_last_checkpoint_accounts_lost_work_and_ends_like_an_uninterrupted_run(tmp_path):
+def test_restart_from_the_last_checkpoint_accounts_lost_work_and_ends_like_an_uninterrupted_run(tmp_path,
+                                                                                                 uninterrupted):
     checkpoints, ledger, figures = tmp_path / "ckpt", tmp_path / "goodput.db", tmp_path / "goodput.json"
     saving = ["--save", str(checkpoints), "--save-interval", "2", "--rrfp-goodput-ledger", str(ledger)]
 
@@ -148,9 +163,9 @@ def test_restart_from_the_last_checkpoint_accounts_lost_work_and_ends_like_an_un
     assert re.search(r"resumed from \S+ at iteration 4\b", resumed.output), resumed.output[-6000:]
     assert f"goodput ledger: {ledger}" in resumed.output
 
-    uninterrupted = launch(*TINY)
-    assert uninterrupted.returncode == 0, uninterrupted.output[-6000:]
-    expected, continued = uninterrupted.losses(), resumed.losses()
+    reference = uninterrupted[0]
+    assert reference.returncode == 0, reference.output[-6000:]
+    expected, continued = reference.losses(), resumed.losses()
     assert sorted(expected) == list(range(1, 9)) and sorted(continued) == [5, 6, 7, 8]
     assert all(abs(continued[i] - expected[i]) <= 1e-5 for i in continued), (continued, expected)
     assert all(abs(killed.losses()[i] - expected[i]) <= 1e-5 for i in (1, 2, 3, 4))
@@ -196,15 +211,13 @@ def read_only_tmpfs(directory):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-def test_a_ledger_in_a_read_only_directory_warns_and_training_completes(tmp_path):
-    directory = tmp_path / "read-only"
-    with read_only_tmpfs(directory) as why_not:
-        if why_not:
-            pytest.skip(why_not)
-        run = launch(*TINY, "--train-iters", "3", "--rrfp-goodput-ledger", str(directory / "goodput.db"))
-        assert os.listdir(directory) == []
+def test_a_ledger_in_a_read_only_directory_warns_and_training_completes(uninterrupted):
+    run, directory, why_not, listing = uninterrupted  # its ledger was in a read-only directory
+    if why_not:
+        pytest.skip(why_not)
+    assert listing == []
     assert run.returncode == 0, run.output[-6000:]
-    assert sorted(run.losses()) == [1, 2, 3]
+    assert sorted(run.losses()) == list(range(1, 9))
     assert re.search(r"LedgerWarning: goodput ledger \S+: cannot create the lock file \(.*Read-only file system.*\); "
                      r"training continues", run.output), run.output[-6000:]
     assert "goodput ledger " + str(directory / "goodput.db") + ": not written" in run.output
