@@ -38,13 +38,21 @@ def _launch_that(action):
 def test_the_table_is_removed_on_any_exit(tmp_path, monkeypatch, ending, expected):
     monkeypatch.setattr("megatron_rrfp.dist.launcher.launch", _launch_that(ending))
     config = bench_run.BenchConfig(out_dir=str(tmp_path))
-    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
-    with pytest.raises(expected) as info:
-        bench_run._run_locally(config, world=4, progress=False)
+    # the bench takes SIGTERM / SIGHUP only where they are at their defaults (a caller's own handler
+    # wins); start from there, whatever an earlier test in this worker process left installed
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
+        with pytest.raises(expected) as info:
+            bench_run._run_locally(config, world=4, progress=False)
+        restored = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if expected is SystemExit:
         assert info.value.code == 128 + signal.SIGTERM
     assert _tables() == [] and not glob.glob(str(tmp_path / ".progress-*"))
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers  # put back
+    assert restored == handlers  # put back
 
 
 def test_a_table_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
