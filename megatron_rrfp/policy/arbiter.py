@@ -53,7 +53,7 @@ from typing import Optional
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
 from .hints import Hint, Memory, OrderedHint, make_hint, validate_order
-from .membytes import ByteBudget
+from .membytes import UNIT, ByteBudget
 from .topology import Topology
 
 DEFAULT_HINT = "default"
@@ -183,7 +183,7 @@ class Arbiter:
         self.dispatched_set.add(task)
         self.dispatched.append(task)
         mb = task.microbatch
-        weights = self._bytes.stage if self._bytes is not None else None
+        weights = self._bytes.stage if self._bytes is not None else UNIT  # without bytes: the level in units
         if task.kind is Kind.F:
             self.prefer = Kind.B
             self._forwards_run[mb] += 1
@@ -191,20 +191,19 @@ class Arbiter:
                 self._advance_oldest()
             else:
                 self.in_flight += 1
-                self._add_bytes(mb, weights.forward if weights else 1.0)
+                self._add_bytes(mb, weights.forward)
         elif task.kind is Kind.B:
             self.prefer = Kind.F
-            forward = weights.forward if weights else 1.0
             if self.split_backward and (self._bytes is None
                                         or self.level + weights.split_peak <= self._bytes.split * _TOLERANCE):
-                self._add_bytes(mb, (weights.pending if weights else 1.0) - forward)
+                self._add_bytes(mb, weights.pending - weights.forward)
             else:  # unsplit: frees what its forward held (split: W would, but its split does not fit)
                 if self.split_backward:
                     self._inline.add((mb, task.chunk))
-                self._add_bytes(mb, -forward)
+                self._add_bytes(mb, -weights.forward)
                 self._release(mb)
         elif (mb, task.chunk) not in self._inline:  # W releases the activations a split backward kept
-            self._add_bytes(mb, -(weights.pending if weights else 1.0))
+            self._add_bytes(mb, -weights.pending)
             self._release(mb)
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         if self._order is not None:
