@@ -47,8 +47,13 @@ class CallBytes:
     arbiter: ArbiterConfig
     state: Optional[_State] = dataclasses.field(default=None, repr=False)
 
+    @property
+    def calibrating(self) -> bool:
+        """This call measures what its tasks weigh (the first call, step 1 of the module docstring)."""
+        return self.state is not None and self.state.measured is None
+
     def record(self, report, wgrad_store) -> None:
-        if self.state is None or self.state.measured is not None or report.task_bytes is None:
+        if not self.calibrating or report.task_bytes is None:
             return
         tasks = report.task_bytes
         forward = float(tasks["forward"])

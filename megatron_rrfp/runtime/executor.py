@@ -85,10 +85,13 @@ class PipelineIteration:
     def __init__(self, *, work: StageWork, arbiter: Arbiter, topology: Topology, stage: int,
                  stage_ranks: list[int], transport, inbox: Inbox, agreement: Optional[TPAgreement],
                  timeout_s: float, forward_only: bool, record_spans: bool = False,
-                 memory: Optional[ActivationMeter] = None) -> None:
+                 memory: Optional[ActivationMeter] = None, measure_task_bytes: bool = False) -> None:
         self.work, self.arbiter, self.topology, self.stage = work, arbiter, topology, stage
         self.memory = memory  # counts the messages waiting here as held activation memory
-        self.task_bytes = TaskBytes(memory) if memory is not None and not forward_only else None
+        # what each task weighs, for the byte budget's calibration call only (mcore/byte_limit.py):
+        # every other call keeps the per-task windows off its hot path
+        measuring = measure_task_bytes and memory is not None and not forward_only
+        self.task_bytes = TaskBytes(memory) if measuring else None
         self.stage_ranks, self.transport, self.inbox, self.agreement = stage_ranks, transport, inbox, agreement
         self.timeout_s, self.forward_only, self.record_spans = timeout_s, forward_only, record_spans
         self.rank = stage_ranks[stage]
