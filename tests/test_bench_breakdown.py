@@ -58,8 +58,11 @@ def test_the_table_names_the_cost_that_explains_a_gap():
                    "simulated_iteration_time_s_with_host_cost": 1.0}
     megatron = {"schedule": "megatron-1f1b", "iteration_time_s": {"median": 1.2},
                 "simulated_iteration_time_s_with_host_cost": 1.0}
+    text = explain_gap({**unexplained, "iteration_time_s": {"median": 1.15}}, megatron)
+    assert "TP agreement 0.200" in text and "Megatron +20.0%, rrfp +15.0%" in text, text
+    # rrfp ran as its own prediction says: the gap is Megatron's time between its tasks, in seconds
     text = explain_gap(unexplained, megatron)
-    assert "TP agreement 0.200" in text and "Megatron +20.0%, rrfp +5.0%" in text, text
+    assert "Megatron's time between its tasks: 0.200 s/iteration (+20.0%)" in text and "rrfp +5.0%" in text, text
     assert explain_gap({**run, "speedup_vs_megatron_1f1b": 1.08}).startswith("within 10%")
 
 
