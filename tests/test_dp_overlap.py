@@ -59,6 +59,37 @@ def test_the_simulated_cost_of_dp_communication_at_the_end_and_overlapped():
     assert iteration_time(trace, 1, 2, apart, overlap_grad_reduce=True, overlap_param_gather=True) == 7.75 + 0.5
 
 
+def test_lockstep_replicas_run_every_task_at_the_slower_replicas_pace():
+    """sim.variability.lockstep, the model of the whole-stage agreement (scripts/lockstep_cost.py):
+    identical replicas change nothing; otherwise each task and message takes the slower draw, and
+    no replica finishes its iteration sooner in lock-step than alone."""
+    from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.sim.simulator import policy, simulate
+    from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, lockstep, sample_realization
+
+    topology, m, j3 = Topology(4, 2), 8, Variability(**VARIABILITY_LEVELS["j3"])
+    a, b = (sample_realization(j3, topology, m, seed) for seed in (1, 2))
+    assert lockstep([a, a]) == a
+    both = lockstep([a, b])
+    assert both.forward[2][1][3] == max(a.forward[2][1][3], b.forward[2][1][3])
+    assert both.gradient_latency[0][0][5] == max(a.gradient_latency[0][0][5], b.gradient_latency[0][0][5])
+    rrfp = policy("default")
+    assert simulate(rrfp, topology, m, both).makespan >= max(simulate(rrfp, topology, m, r).makespan for r in (a, b))
+    with pytest.raises(ValueError, match="host cost"):
+        lockstep([a, a.__class__(**{**{f: getattr(a, f) for f in a.__slots__}, "host_cost": [{}] * 4})])
+
+
+def test_lockstep_cost_script_prints_no_cost_without_jitter(capsys):
+    import os
+    import runpy
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "lockstep_cost.py")
+    assert runpy.run_path(script)["main"](["--pp", "2", "--variability", "j0,j3", "--seeds", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 2 and rows[0].endswith("| +0.0% |"), rows  # j0: the replicas draw alike
+    assert float(rows[1].split("|")[-2].strip().rstrip("%")) > 0, rows  # j3: lock-step waits for the slower
+
+
 def _production_steps_on_cpu() -> list:
     import torch.distributed as dist
 

@@ -38,6 +38,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
 from typing import NamedTuple, Optional, Protocol
 
 from .actions import Kind, Task, peak_in_flight
@@ -330,9 +331,7 @@ def zbh1_order(stage: int, topology: Topology, num_microbatches: int) -> list[Ta
     them on deferred W, which fill the drain bubble. Remaining W close the order.
     """
     base = megatron_1f1b_order(stage, topology, num_microbatches)
-    peak_max = max(peak_in_flight(megatron_1f1b_order(s, topology, num_microbatches))
-                   for s in range(topology.num_stages))
-    delay = peak_max - peak_in_flight(base)
+    delay = _megatron_peak_max(topology, num_microbatches) - peak_in_flight(base)
     order: list[Task] = []
     backwards: list[Task] = []
     for task in base:
@@ -344,6 +343,14 @@ def zbh1_order(stage: int, topology: Topology, num_microbatches: int) -> list[Ta
                 order.append(Task(Kind.W, done.microbatch, done.chunk))
     released = max(0, len(backwards) - delay)
     return order + [Task(Kind.W, t.microbatch, t.chunk) for t in backwards[released:]]
+
+
+@lru_cache(maxsize=256)
+def _megatron_peak_max(topology: Topology, num_microbatches: int) -> int:
+    """The most forwards any stage holds in Megatron's order (stage 0's); once per layout, not
+    once per stage (the simulator's sweeps build every stage's ZB-H1 order)."""
+    return max(peak_in_flight(megatron_1f1b_order(s, topology, num_microbatches))
+               for s in range(topology.num_stages))
 
 
 def gpipe_order(topology: Topology, num_microbatches: int) -> list[Task]:

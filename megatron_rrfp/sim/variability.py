@@ -149,6 +149,23 @@ def with_host_cost(realization: Realization, host_cost: list) -> Realization:
     return replace(realization, host_cost=host_cost)
 
 
+def lockstep(replicas: list[Realization]) -> Realization:
+    """One stage sequence run by several replicas in lock-step (the whole-stage agreement,
+    ``mcore/dp_overlap.py``): every task is dispatched once it is ready on every replica and
+    each replica has finished its previous one, so it takes the slowest replica's duration and
+    each message the slowest replica's latency. An upper bound on lock-step's makespan (the
+    real one waits for max(duration + latency) over replicas, not max(duration) + max(latency)),
+    with the agreement's own exchange taken as free."""
+    def slowest(field: str):
+        tables = [getattr(r, field) for r in replicas]
+        return None if tables[0] is None else np.maximum.reduce([np.asarray(t) for t in tables]).tolist()
+
+    if any(r.host_cost is not None or r.backward_comm is not None for r in replicas):
+        raise ValueError("lockstep: replicas with a host cost or all-to-all time are not modelled")
+    return Realization(*(slowest(name) for name in ("forward", "backward_total", "activation_latency",
+                                                    "gradient_latency")))
+
+
 def moe_load_factor(v: Variability, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Per task: the slowest expert-parallel rank's token load over the balanced load.
 
