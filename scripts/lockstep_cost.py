@@ -9,8 +9,8 @@ stage's DP replicas (``mcore/dp_overlap.py``), so the replicas of a stage move i
 Megatron's replicas run their static order independently and meet at the iteration's end.
 Per seed each of the ``--dp`` replicas draws its own durations and latencies; independent
 replicas take the slowest replica's makespan, lock-step ones the makespan of
-``sim.variability.lockstep`` (every task at the slowest replica's pace: an upper bound, with
-the agreement's exchange free). Buffer limit 1x, medians over seeds, units of f0: simulator
+``sim.variability.lockstep`` (every task at the slowest replica's pace: pessimistic on
+latency, with the agreement's exchange free). Buffer limit 1x, medians over seeds, units of f0: simulator
 output, independent of the machine's load. What it leaves out: DP communication time (see
 ``scripts/dp_overlap_figures.py``), and the replicas' coupling at each chunk's reductions.
 """

@@ -153,9 +153,9 @@ def lockstep(replicas: list[Realization]) -> Realization:
     """One stage sequence run by several replicas in lock-step (the whole-stage agreement,
     ``mcore/dp_overlap.py``): every task is dispatched once it is ready on every replica and
     each replica has finished its previous one, so it takes the slowest replica's duration and
-    each message the slowest replica's latency. An upper bound on lock-step's makespan (the
-    real one waits for max(duration + latency) over replicas, not max(duration) + max(latency)),
-    with the agreement's own exchange taken as free."""
+    each message the slowest replica's latency. Pessimistic: the real lock-step waits for
+    max(duration + latency) over replicas, not max(duration) + max(latency); the agreement's own
+    exchange is taken as free."""
     def slowest(field: str):
         tables = [getattr(r, field) for r in replicas]
         return None if tables[0] is None else np.maximum.reduce([np.asarray(t) for t in tables]).tolist()
