@@ -65,7 +65,13 @@ def test_lockstep_replicas_run_every_task_at_the_slower_replicas_pace():
     no replica finishes its iteration sooner in lock-step than alone."""
     from megatron_rrfp.policy.topology import Topology
     from megatron_rrfp.sim.simulator import policy, simulate
-    from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, lockstep, sample_realization
+    from megatron_rrfp.sim.variability import (
+        VARIABILITY_LEVELS,
+        Variability,
+        lockstep,
+        sample_realization,
+        with_host_cost,
+    )
 
     topology, m, j3 = Topology(4, 2), 8, Variability(**VARIABILITY_LEVELS["j3"])
     a, b = (sample_realization(j3, topology, m, seed) for seed in (1, 2))
@@ -76,7 +82,7 @@ def test_lockstep_replicas_run_every_task_at_the_slower_replicas_pace():
     rrfp = policy("default")
     assert simulate(rrfp, topology, m, both).makespan >= max(simulate(rrfp, topology, m, r).makespan for r in (a, b))
     with pytest.raises(ValueError, match="host cost"):
-        lockstep([a, a.__class__(**{**{f: getattr(a, f) for f in a.__slots__}, "host_cost": [{}] * 4})])
+        lockstep([a, with_host_cost(a, [{}] * 4)])
 
 
 def test_lockstep_cost_script_prints_no_cost_without_jitter(capsys):
