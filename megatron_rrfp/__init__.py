@@ -17,7 +17,7 @@ Where things live (one folder per concern; the arrows only point down this list)
                 goodput/trace hooks around its training loop
   goodput/      the goodput ledger (writer, reader), accounting, recorder, report
   dist/         where a process sits in a job; the local multi-process launcher; --nproc
-                through torch's own launcher
+                (ranks forked after one import on CPU, torch's own launcher on GPUs)
   bench/        measured benchmarks with emulated device time, `bench` / `demo`, `compare`
   train/        `megatron-rrfp train`: driver, config, builders, models, data (indexed
                 datasets), checkpoints (torch, torch_dist), Megatron-LM's logs /

@@ -11,7 +11,7 @@
 
 A rank is killed by a fault-injection hook this test installs from outside the package
 (``helpers/fault_site/sitecustomize.py`` on the job's PYTHONPATH). Every launch is a
-subprocess started here, with a timeout; ``--nproc`` runs torch's launcher in that
+subprocess started here, with a timeout; ``--nproc`` runs the launcher (dist/forked.py) in that
 process and its ranks die with it, so killing the launcher (ours) leaves nothing behind.
 Ledger write failures mid-write and corrupt / missing ledgers are covered by
 tests/test_goodput.py.
@@ -43,8 +43,8 @@ LOSS_LINE = re.compile(r"\] iteration\s+(\d+)/\s*(\d+) \|.* lm loss: (\S+) \|") 
 LAUNCH_TIMEOUT_S = 120
 FAULT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fault_site")
 # From the kill to the command's exit: the survivor notices (a dead peer at once through
-# the transport, a silent one after --rrfp-timeout), reports, and exits. torch's launcher
-# (torch.distributed.run) SIGTERMs it as soon as it sees the dead rank; the survivor's
+# the transport, a silent one after --rrfp-timeout), reports, and exits. The launcher
+# (dist/forked.py, as torch.distributed.run) SIGTERMs it as soon as it sees the dead rank; the survivor's
 # handler lets it finish its report (train/signals.py) and exit with its own status; the
 # launcher would SIGKILL it only 30 s later.
 EXIT_BOUND_S = RRFP_TIMEOUT_S + 4.0
@@ -104,7 +104,7 @@ def assert_killed_rank_1_and_rank_0_left_on_its_own(run: Launch, iteration: int)
     killed_at = run.time_of(f"fault injection: SIGKILL rank 1 in iteration {iteration}")
     assert run.returncode == 128 + 9, out[-6000:]  # the first failure's status, shell-style
     assert re.search(r"megatron-rrfp: rank 1 \(pid \d+\) was killed by SIGKILL", out), out[-6000:]
-    # torch's launcher SIGTERMed rank 0, which still reported its own failure and left with code 1
+    # the launcher SIGTERMed rank 0, which still reported its own failure and left with code 1
     assert re.search(r"megatron-rrfp: rank 0 \(pid \d+\) exited with code 1", out), out[-6000:]
     assert "Unable to shutdown process" not in out, out[-6000:]  # the launcher had to SIGKILL nobody
     return run.ended - killed_at

@@ -51,7 +51,7 @@ def run(*args: str, on_line=None) -> tuple[int, str]:
         pytest.fail("still running after the timeout:\n" + "".join(lines)[-6000:])
     finally:
         if proc.poll() is None:
-            proc.kill()  # torch's launcher in that process; its ranks die with it
+            proc.kill()  # the launcher in that process; its ranks die with it
             proc.wait()
         reader.join(10)
     return proc.returncode, "".join(lines)
@@ -62,7 +62,7 @@ def losses(output: str) -> dict[int, float]:
 
 
 def ranks_of(launcher_pid: int) -> list[int]:
-    """The rank processes torch's launcher started (its children)."""
+    """The rank processes the launcher started (its children)."""
     import psutil
 
     return [child.pid for child in psutil.Process(launcher_pid).children()]

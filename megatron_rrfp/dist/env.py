@@ -7,7 +7,7 @@ The rank comes from, in order:
       is the first host of SLURM_JOB_NODELIST (``scontrol show hostnames``) unless
       MASTER_ADDR is set, the port MASTER_PORT or 20000 + job id mod 20000;
   nothing: a single process.
-(``--nproc N`` runs torch's launcher, which sets the torchrun variables: ``torchrun.py``.)
+(``--nproc N`` sets the torchrun variables: ``forked.py`` on CPU, torch's launcher, ``torchrun.py``, on GPUs.)
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Local multi-process launches on this host: the one launcher of the project.
 
 ``launch(fn, ...)`` runs one function on N gloo ranks (benchmarks and tests) and turns any
-failure or hang into one readable error. (``megatron-rrfp train --nproc N`` runs its ranks
-through torch's own launcher instead: ``dist/torchrun.py``.)
+failure or hang into one readable error. (``megatron-rrfp train --nproc N`` starts its ranks
+as torchrun would: ``dist/forked.py`` on CPU, ``dist/torchrun.py`` on GPUs.)
 
     from megatron_rrfp.dist.launcher import launch
     values = launch(check_ranks, world_size=4, tp=2, timeout=60)   # pp = 4 // (2*1) = 2

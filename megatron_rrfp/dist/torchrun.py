@@ -40,19 +40,20 @@ def run_module(nproc: int, module: str, args: Sequence[str], *, env: Optional[di
     try:
         torchrun.run(parsed)
     except ChildFailedError as failed:
-        return _report(failed, nproc)
+        return report_failures(failed.failures, nproc, stopped_by="torch's launcher")
     return 0
 
 
-def _report(failed, nproc: int) -> int:
-    """Name each failed rank; the exit status of the first rank killed by a signal, else of
-    the first failure."""
-    failures = sorted(failed.failures.items(), key=lambda item: item[1].timestamp)
+def report_failures(failed: dict, nproc: int, *, stopped_by: str) -> int:
+    """Name each failed rank (``failed``: rank -> record with ``pid``, ``exitcode`` and
+    ``timestamp``, as torch's ChildFailedError holds them); the exit status of the first
+    rank killed by a signal, else of the first failure."""
+    failures = sorted(failed.items(), key=lambda item: item[1].timestamp)
     for rank, failure in failures:
         _say(f"rank {rank} (pid {failure.pid}) {describe_exit(failure.exitcode)}")
     stopped = sorted(set(range(nproc)) - {rank for rank, _ in failures})
     if stopped:
-        _say(f"torch's launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
+        _say(f"{stopped_by} stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
              "(SIGTERM) after that")
     # A rank killed by a signal (not the launcher's SIGTERM) is the cause: the others' errors
     # follow from it, and they may be recorded first (the agent stamps whole seconds).
@@ -78,4 +79,4 @@ def _say(message: str) -> None:
     print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
 
 
-__all__ = ["describe_exit", "exit_status", "run_module"]
+__all__ = ["describe_exit", "exit_status", "report_failures", "run_module"]

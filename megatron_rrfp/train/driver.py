@@ -29,9 +29,10 @@ with the same ledger path so one report covers the whole job::
     megatron-rrfp goodput run/goodput.db --json goodput.json     # wasted progress, recovery, ...
 
 A rank without progress for ``--rrfp-timeout`` seconds, or whose pipeline peer died,
-raises PipelineStallError with its state (peer, ready set, counters). ``--nproc`` runs the
-ranks under torch's own launcher (torch.distributed.run, standalone rendezvous), which
-stops the other ranks with SIGTERM when one fails; a stopped rank first finishes reporting
+raises PipelineStallError with its state (peer, ready set, counters). ``--nproc`` starts the
+ranks (``--cpu``: forked after one import, dist/forked.py; GPUs: torch's own launcher,
+torch.distributed.run, standalone rendezvous); either stops the other ranks with SIGTERM
+when one fails; a stopped rank first finishes reporting
 its own failure (signals.py) and the command exits non-zero (128 + signal for a killed rank).
 On GPUs a failed iteration is not recovered in-process (NCCL communicators with a dead peer
 are unusable; RRFP aborts its own): run under ``torchrun --max-restarts N`` with ``--load``,
@@ -128,15 +129,29 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+# What every rank imports: imported once before `--cpu --nproc` forks its ranks.
+RANK_IMPORTS = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+                "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                "megatron.core.pipeline_parallel.schedules", "megatron_rrfp.train.builders",
+                "megatron_rrfp.train.checkpoint", "megatron_rrfp.train.metrics", "megatron_rrfp.mcore.schedule",
+                "megatron_rrfp.mcore.cpu", "megatron_rrfp.megatron_lm.hooks", "megatron_rrfp.goodput.recorder",
+                "megatron_rrfp.runtime.memory")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     config = from_args(args)
     if config.nproc:
-        from ..dist.torchrun import run_module
-
         check_layout(config, config.nproc)  # fail before starting anything
         env = {"CUDA_VISIBLE_DEVICES": ""} if config.cpu else {}
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+        if config.cpu:  # ranks forked after one import of what each imports (dist/forked.py)
+            from ..dist.forked import run_module_forked
+
+            return run_module_forked(config.nproc, "megatron_rrfp.train", to_argv(config), env=env,
+                                     preload=RANK_IMPORTS)
+        from ..dist.torchrun import run_module
+
         return run_module(config.nproc, "megatron_rrfp.train", to_argv(config), env=env)
     return train(config)
 
@@ -149,7 +164,7 @@ def setup(cfg: TrainConfig):
     if cfg.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed
+        distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed (forked ranks set it)
     env = distenv.detect()
     dp = check_layout(cfg, env.world_size)
     from ..quiet import announce
