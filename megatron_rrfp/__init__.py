@@ -21,7 +21,7 @@ Where things live (one folder per concern; the arrows only point down this list)
   bench/        measured benchmarks with emulated device time, `bench` / `demo`, `compare`
   train/        `megatron-rrfp train`: driver, config, builders, models, data (indexed
                 datasets), checkpoints (torch, torch_dist), Megatron-LM's logs /
-                TensorBoard / W&B (metrics), launcher signals, the multimodal recipe
+                TensorBoard / W&B (metrics), launcher signals, --nproc's local ranks, the multimodal recipe
 
 The policy names below import no torch; the Megatron-facing names load lazily.
 """

@@ -151,9 +151,9 @@ class TrainConfig:
     # launching
     cpu: bool = _flag(False, "train on CPU over gloo (megatron-core bent to CPU by megatron_rrfp.mcore.cpu)",
                       "launching", action="store_true")
-    nproc: Optional[int] = _flag(None, "start N local ranks, as torchrun --standalone --nproc-per-node N would (with --cpu "
-                                 "forked from this process after one import of torch and megatron-core; on GPUs "
-                                 "through torch's launcher, torch.distributed.run)",
+    nproc: Optional[int] = _flag(None, "start N local ranks, as torchrun --standalone --nproc-per-node N would "
+                                 "(with --cpu forked from this process after one import of torch and megatron-core; "
+                                 "on GPUs through torch's launcher, torch.distributed.run)",
                                  "launching", type=int)
     distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives (Megatron-LM's flag); with "
                                                "--pipeline-schedule rrfp it must exceed --rrfp-timeout plus its "

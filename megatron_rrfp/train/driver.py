@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..dist import env as distenv
-from .config import TrainConfig, add_arguments, check_layout, from_args, to_argv
+from .config import TrainConfig, add_arguments, check_layout, from_args
 from .signals import JobTerminated, Signals
 
 _STARTED_WALL = time.time()  # ~ this process's start: the ledger counts startup from here
@@ -129,30 +129,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-# What every rank imports: imported once before `--cpu --nproc` forks its ranks.
-RANK_IMPORTS = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
-                "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-                "megatron.core.pipeline_parallel.schedules", "megatron_rrfp.train.builders",
-                "megatron_rrfp.train.checkpoint", "megatron_rrfp.train.metrics", "megatron_rrfp.mcore.schedule",
-                "megatron_rrfp.mcore.cpu", "megatron_rrfp.megatron_lm.hooks", "megatron_rrfp.goodput.recorder",
-                "megatron_rrfp.runtime.memory")
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     config = from_args(args)
     if config.nproc:
-        check_layout(config, config.nproc)  # fail before starting anything
-        env = {"CUDA_VISIBLE_DEVICES": ""} if config.cpu else {}
-        if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
-        if config.cpu:  # ranks forked after one import of what each imports (dist/forked.py)
-            from ..dist.forked import run_module_forked
+        from .local_ranks import start_local_ranks
 
-            return run_module_forked(config.nproc, "megatron_rrfp.train", to_argv(config), env=env,
-                                     preload=RANK_IMPORTS)
-        from ..dist.torchrun import run_module
-
-        return run_module(config.nproc, "megatron_rrfp.train", to_argv(config), env=env)
+        return start_local_ranks(config)
     return train(config)
 
 
