@@ -41,9 +41,15 @@ def main() -> int:
     parser.add_argument("--dp-stress", action="store_true",
                         help="only interleaved DP=2 jobs with pipelines at very different paces "
                              "(emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
+    parser.add_argument("--dp-after-loop", action="store_true",
+                        help="with --dp-stress: the DP communication out of the task loop instead of the "
+                             "whole-stage agreement (--rrfp-dp-overlap after-loop)")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.dp_after_loop and not args.dp_stress:
+        parser.error("--dp-after-loop applies to --dp-stress jobs (the random jobs draw it for half their "
+                     "interleaved DP=2 jobs); add --dp-stress")
     if not args.quiet_s > 0:
         parser.error(f"--quiet-s must be > 0, got {args.quiet_s}")
     from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
@@ -57,8 +63,11 @@ def main() -> int:
     for protocol in protocols:
         counts = {"completed": 0, "deadlock": 0, "failed": 0}
         start = time.monotonic()
-        jobs = (dp_stress_jobs if args.dp_stress else random_jobs)(args.jobs, seed=args.seed, protocol=protocol,
-                                                                   quiet_s=args.quiet_s)
+        if args.dp_stress:
+            jobs = dp_stress_jobs(args.jobs, seed=args.seed, protocol=protocol, quiet_s=args.quiet_s,
+                                  dp_after_loop=args.dp_after_loop)
+        else:
+            jobs = random_jobs(args.jobs, seed=args.seed, protocol=protocol, quiet_s=args.quiet_s)
         for i, job in enumerate(jobs):
             outcome = run_emulated(job)
             status = "completed" if outcome.completed else ("deadlock" if outcome.deadlock else "failed")

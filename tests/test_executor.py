@@ -86,15 +86,23 @@ def test_dp2_pp2_overlapped_reductions_under_the_split_launch_early_and_match_me
     """overlap_grad_reduce (+ distributed optimizer) with the default policy's B/W split:
     gradients equal Megatron's, and from the second iteration on (DDP's golden counts are
     recorded in the first, as in Megatron) every bucket launches inside the schedule (during
-    the last W, weight by weight, or after the last B), none from finish_grad_sync."""
+    the last W, weight by weight, or after the last B), none from finish_grad_sync. With
+    --rrfp-dp-overlap after-loop every bucket launches after the last task, before
+    finish_grad_sync, in every iteration."""
     cases = [Case(model="gpt", iterations=3, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
                   bucket_size=2000),
              Case(model="gpt", iterations=2, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
-                  use_distributed_optimizer=True, bucket_size=2000)]
+                  use_distributed_optimizer=True, bucket_size=2000),
+             Case(model="gpt", iterations=2, hint="default", buffer_limit="1x", overlap_grad_reduce=True,
+                  use_distributed_optimizer=True, bucket_size=2000, dp_overlap="after-loop")]
     results = launch(run_cases, world_size=4, pp=2, timeout=360, args=(cases,))
     _check(results, expect_reordering=False)
     for rank in results:
-        for r in rank:
+        *in_loop, after_loop = rank
+        for it in after_loop["bucket_launches"]:  # (finish_grad_sync's call in the first iteration is a no-op)
+            ours = [task for task, at_finish in it["launched_at_task"] if not at_finish]
+            assert ours and all(task == it["tasks"] for task in ours), it
+        for r in in_loop:
             assert any("W" in order for order in r["orders"]), r["orders"]  # the split was active
             first, *later = r["bucket_launches"]
             assert first["launched_at_task"] and all(at_finish for _, at_finish in first["launched_at_task"])

@@ -286,18 +286,27 @@ def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():
 def test_dp2_pp2_interleaved_production_flags_same_losses_as_1f1b():
     """Megatron-LM's production DP flags over DP=2 x PP=2 x 2 model chunks (--num-layers 4: one
     layer per chunk): --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer.
-    The default policy (B/W split active: no fallback line) trains like Megatron's interleaved 1F1B."""
+    The default policy (B/W split active: no fallback line) trains like Megatron's interleaved 1F1B,
+    with the DP communication in the task loop (CPU needs no rule) and out of it (--rrfp-dp-overlap
+    after-loop: all-gathers before the loop, reductions after it; what CUDA takes from PP 4)."""
     layout = [*TINY, "--nproc", "4", "--train-iters", "4", "--num-layers", "4",
               "--virtual-pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
               "--use-distributed-optimizer"]
     ours = train(*layout, "--pipeline-schedule", "rrfp", timeout=300)
+    after_loop = train(*layout, "--pipeline-schedule", "rrfp", "--rrfp-dp-overlap", "after-loop", timeout=300)
     megatron = train(*layout, "--pipeline-schedule", "1f1b", timeout=300)
-    assert "without the B/W split" not in ours.stdout, ours.stdout[-2000:]
+    assert "without the B/W split" not in ours.stdout + after_loop.stdout, ours.stdout[-2000:]
     assert "TP 1 x PP 2 x DP 2 (2 model chunks per rank)" in ours.stdout, ours.stdout[-2000:]
-    a, b = losses(ours), losses(megatron)
-    assert a.keys() == b.keys() == {1, 2, 3, 4}
-    assert all(abs(a[i] - b[i]) <= 1e-5 for i in a), (a, b)
+    assert "DP 2" not in ours.stdout.replace("x DP 2", "")  # in the loop: no line about where DP time goes
+    assert ("megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter "
+            "all-gathers before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap "
+            "after-loop)") in after_loop.stdout, after_loop.stdout[-2000:]
+    a, b, c = losses(ours), losses(megatron), losses(after_loop)
+    assert a.keys() == b.keys() == c.keys() == {1, 2, 3, 4}
+    assert all(abs(a[i] - b[i]) <= 1e-5 and abs(c[i] - b[i]) <= 1e-5 for i in a), (a, b, c)
     assert len(set(a.values())) == 4, a  # the all-gathered weights change: no iteration repeats a loss
+    norms = [{m.group(1): m.group(8) for m in LOSS_LINE.finditer(r.stdout)} for r in (ours, after_loop, megatron)]
+    assert norms[0] == norms[1] == norms[2], norms  # the reduced gradients too
 
 
 def test_interleaving_flags_are_checked_before_any_rank_starts():

@@ -46,6 +46,11 @@ def test_rounds_protocol_completes_every_random_configuration_with_the_right_gra
          channel_latency_ms=5.0, task_ms=(0.2, 1.0), seed=105),
     dict(pp=4, chunks=2, microbatches=8, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=6.0,
          channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108),
+    # the other safe choice (--rrfp-dp-overlap after-loop): replicas independent, DP communication out of the loop
+    dict(pp=4, chunks=4, microbatches=4, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3,
+         dp_after_loop=True),
+    dict(pp=4, chunks=2, microbatches=8, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=6.0,
+         channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108, dp_after_loop=True),
 ])
 def test_whole_production_jobs_on_two_pipelines_complete(kwargs):
     job = EmulatedJob(**{"dp": 2, "straggler": 3.0, "host_jitter_ms": 3.0, "quiet_s": 3.0, "seed": 3, **kwargs})

@@ -204,15 +204,15 @@ _received_meter: list = []  # [the meter counting Megatron's receives, or None] 
 
 
 def force_whole_stage_agreement() -> None:
-    """From now on this process's RRFP calls apply the whole-stage agreement wherever CUDA would
-    (interleaving, DP > 1, an overlap flag: ``mcore/dp_overlap.py``), on any device: its
-    host-side cost, measured on CPU. Patches the name ``mcore.schedule`` calls."""
+    """From now on this process's RRFP calls apply the whole-stage agreement (lock-step) wherever
+    CUDA could (interleaving, DP > 1, an overlap flag: ``mcore/dp_overlap.py``), on any device
+    and at any depth: its host-side cost, measured on CPU. Patches the name ``mcore.schedule`` calls."""
     from ..mcore import dp_overlap, schedule
 
-    def on_any_device(models, *, device_type: str, **kwargs) -> bool:
-        return dp_overlap.whole_stage_agreement(models, device_type="cuda", **kwargs)
+    def lockstep_on_any_device(models, *, device_type: str, choice: str = "auto", **kwargs) -> str:
+        return dp_overlap.dp_communication(models, device_type="cuda", choice=dp_overlap.LOCKSTEP, **kwargs)
 
-    schedule.whole_stage_agreement = on_any_device
+    schedule.dp_communication = lockstep_on_any_device
 
 
 __all__ = ["InFlightCounter", "count_in_flight", "count_received", "delay_messages", "delay_tasks",

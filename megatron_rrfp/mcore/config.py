@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..checks import TIMEOUT_S
 from ..policy.arbiter import ArbiterConfig
+from .dp_overlap import DP_OVERLAP_CHOICES
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -41,6 +42,9 @@ class RRFPConfig:
     transport: str = "auto"
     """'rounds' (NCCL-safe rounds; CUDA's, and runs over gloo too), 'threads' (gloo threads,
     host tensors) or 'auto' (rounds on CUDA, threads on CPU); see mcore/session.py."""
+    dp_overlap: str = "auto"
+    """Where overlapped DP communication goes with interleaving and DP > 1 on CUDA: 'lockstep',
+    'after-loop' (on any device when named) or 'auto' (--rrfp-dp-overlap; mcore/dp_overlap.py)."""
 
     def __post_init__(self) -> None:
         budget = self.activation_budget_bytes
@@ -49,11 +53,14 @@ class RRFPConfig:
         TIMEOUT_S.check("timeout_s (--rrfp-timeout, seconds)", self.timeout_s)
         if self.transport not in ("auto", "threads", "rounds"):
             raise ValueError(f"transport must be 'auto', 'threads' or 'rounds', got {self.transport!r}")
+        if self.dp_overlap not in DP_OVERLAP_CHOICES:
+            raise ValueError(f"dp_overlap (--rrfp-dp-overlap) must be one of {', '.join(DP_OVERLAP_CHOICES)}, "
+                             f"got {self.dp_overlap!r}")
 
     @classmethod
     def of(cls, **options) -> RRFPConfig:
         """Build from flat keywords: hint=, buffer_limit=, strict=, timeout_s=, record_spans=,
-        activation_budget_bytes=, transport=."""
+        activation_budget_bytes=, transport=, dp_overlap=."""
         return cls().with_options(**options)
 
     def with_options(self, **options) -> RRFPConfig:

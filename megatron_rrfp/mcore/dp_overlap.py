@@ -16,15 +16,31 @@ one's own task sequence:
   pair different collectives, or a cycle through two pipelines could form
   (``scripts/emulate_transport.py --protocols rounds-dp-unagreed`` shows both).
 
-**The rule** (``whole_stage_agreement``): there, the TP agreement spans every rank of the
-stage (TP x DP x CP: megatron's tensor-and-data-parallel group), so all DP replicas of a
-stage dispatch one agreed task sequence and issue their DP collectives at the same
-positions of it — the argument the rounds docstring makes for expert all-to-alls, which
-already join replicas this way. Cost: one agreement exchange per decision over TP x DP
-ranks (host-side, gloo) instead of TP, and replicas of a stage move in lock-step (as
-Megatron's own static schedule keeps them).
+Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
 
-CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing.
+* **lockstep** (``whole_stage_agreement``): the TP agreement spans every rank of the stage
+  (TP x DP x CP: megatron's tensor-and-data-parallel group), so all DP replicas of a stage
+  dispatch one agreed task sequence and issue their DP collectives at the same positions of
+  it — the argument the rounds docstring makes for expert all-to-alls, which already join
+  replicas this way. Cost: one agreement exchange per decision over TP x DP ranks
+  (host-side, gloo) instead of TP, and replicas of a stage move in lock-step: each stage
+  takes the slower replica's every task and message;
+* **after-loop**: the DP collectives leave the task loop (``grad_sync.GradSyncController``
+  with ``in_loop=False``): every chunk's parameter all-gathers complete before the first
+  task and every reduction launches after the last one, in chunk and bucket order. They then
+  sit where the optimizer's own collectives sit, between two task loops, when no round of
+  the pipeline is pending on any rank (the loop ends with the transport's flush), so the
+  replicas stay independent and nothing in the loop joins two pipelines. Cost: the DP
+  communication is no longer hidden behind compute.
+
+Neither wins everywhere (simulator, ``scripts/lockstep_cost.py``; measured, docs/
+production-configurations.md): lock-step gives back most of RRFP's gain under run-time
+jitter, the more so the deeper the pipeline (+17-22% at PP 4-8, j3), while after-loop pays
+the unhidden DP time, which matters most at PP 2. ``auto`` reads after-loop from PP 4 and
+lockstep below.
+
+CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing; an
+explicit ``after-loop`` applies on any device.
 """
 from __future__ import annotations
 
@@ -46,6 +62,36 @@ def whole_stage_agreement(models, *, device_type: str, data_parallel_size: int, 
             and bool(overlapping_flags(models)))
 
 
+IN_LOOP, LOCKSTEP, AFTER_LOOP = "in-loop", "lockstep", "after-loop"
+DP_OVERLAP_CHOICES = ("auto", LOCKSTEP, AFTER_LOOP)
+AFTER_LOOP_FROM_PP = 4
+"""``auto``: after-loop from this pipeline depth (module docstring)."""
+
+
+def dp_communication(models, *, device_type: str, data_parallel_size: int, pipeline_size: int,
+                     choice: str = "auto", forward_only: bool = False) -> str:
+    """Where this call's DP communication goes: ``IN_LOOP`` (where megatron issues it, covered
+    as it is), ``LOCKSTEP`` (in the loop, under the whole-stage agreement) or ``AFTER_LOOP``."""
+    if forward_only or data_parallel_size <= 1 or not overlapping_flags(models):
+        return IN_LOOP
+    if choice == AFTER_LOOP:
+        return AFTER_LOOP
+    if not whole_stage_agreement(models, device_type=device_type, data_parallel_size=data_parallel_size):
+        return IN_LOOP
+    return LOCKSTEP if choice == LOCKSTEP or pipeline_size < AFTER_LOOP_FROM_PP else AFTER_LOOP
+
+
+def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
+    """One line for the job's log: what ``dp_communication`` chose and why."""
+    flags = " ".join("--" + f.split("(--")[1].rstrip(")") for f in overlapping_flags(models))
+    where = ("in the task loop, every DP replica of a stage in the agreement (lock-step)" if mode == LOCKSTEP
+             else "parameter all-gathers before the task loop, reductions after it (replicas independent)")
+    why = "--rrfp-dp-overlap " + (choice if choice != "auto" else
+                                  f"auto: {'from' if mode == AFTER_LOOP else 'below'} PP {AFTER_LOOP_FROM_PP}")
+    layout = f"DP {data_parallel_size}" + (f" x {len(models)} chunks" if len(models) > 1 else "")
+    return f"megatron-rrfp: {layout} with {flags}: {where} ({why})"
+
+
 def overlapped_dp_communication_allowed(*, device_type: str, data_parallel_size: int, interleaved: bool,
                                         whole_stage: bool = True) -> bool:
     """May DP reductions / all-gathers run inside the task loop here? Always, given the
@@ -53,4 +99,5 @@ def overlapped_dp_communication_allowed(*, device_type: str, data_parallel_size:
     return whole_stage or device_type != "cuda" or data_parallel_size <= 1 or not interleaved
 
 
-__all__ = ["overlapped_dp_communication_allowed", "overlapping_flags", "whole_stage_agreement"]
+__all__ = ["AFTER_LOOP", "AFTER_LOOP_FROM_PP", "DP_OVERLAP_CHOICES", "IN_LOOP", "LOCKSTEP", "describe",
+           "dp_communication", "overlapped_dp_communication_allowed", "overlapping_flags", "whole_stage_agreement"]

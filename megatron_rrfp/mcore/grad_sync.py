@@ -43,6 +43,13 @@ after the last B; the simulator puts that at 0.02-0.15 f0 per iteration
 ``param_sync_func`` (distributed-optimizer parameter all-gather, interleaved): chunks 0 and 1
 before the first forward, chunk c + 1 (c >= 1) before chunk c's first forward — always
 before chunk c + 1 can run its own first forward on this rank.
+
+Outside the loop (``in_loop=False``, ``dp_overlap``'s after-loop choice): every chunk's
+all-gathers complete before the first task (``start_param_sync(force_sync=True)``, so DDP's
+forward pre-hooks find them done and issue none), no_sync stays on for every backward, and
+every chunk's reductions launch after the last task, chunk by chunk in bucket order
+(``grad_sync_func``, else DDP's ``start_grad_sync``; ``finalize_model_grads`` waits for them) —
+the same positions on every DP replica whatever order each ran its tasks in.
 """
 from __future__ import annotations
 
@@ -56,8 +63,10 @@ def _per_chunk(funcs, count: int):
 
 
 class GradSyncController:
-    def __init__(self, config, models, *, pp_rank: int, num_microbatches: int, forward_only: bool) -> None:
+    def __init__(self, config, models, *, pp_rank: int, num_microbatches: int, forward_only: bool,
+                 in_loop: bool = True) -> None:
         self.config, self.models, self.pp_rank = config, models, pp_rank
+        self.in_loop = in_loop or forward_only
         self.interleaved = len(models) > 1
         self.forward_only = forward_only
         no_sync = config.no_sync_func
@@ -93,18 +102,23 @@ class GradSyncController:
 
     def start(self) -> None:
         self.disable()
+        if not self.in_loop:
+            for model in self.models:
+                if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
+                    model.start_param_sync(force_sync=True)
+            return
         if self._param_sync is not None and self.interleaved:
             for chunk in range(min(2, len(self.models))):
                 self._param_sync[chunk](self.models[chunk].parameters())
 
     def before_forward(self, chunk: int, first_of_chunk: bool) -> None:
         nxt = chunk + 1
-        if self._param_sync is not None and first_of_chunk and 1 < nxt < len(self.models):
+        if self.in_loop and self._param_sync is not None and first_of_chunk and 1 < nxt < len(self.models):
             self._param_sync[nxt](self.models[nxt].parameters())
 
     def before_backward(self, chunk: int) -> None:
         self._backwards_left[chunk] -= 1
-        if self._backwards_left[chunk]:
+        if self._backwards_left[chunk] or not self.in_loop:
             return
         if not self.interleaved:
             if self._grad_sync is None or self.pp_rank == 0:
@@ -114,7 +128,7 @@ class GradSyncController:
             self._synced.add(chunk)
 
     def after_backward(self, chunk: int) -> None:
-        if not self.interleaved:
+        if not self.interleaved or not self.in_loop:
             return
         if self._grad_sync is not None and self._backwards_left[chunk] == 0:
             self.enable()
@@ -136,6 +150,15 @@ class GradSyncController:
     def finish(self) -> None:
         if self.forward_only:
             self.enable()
+            return
+        if not self.in_loop:
+            self.enable()
+            for chunk, model in enumerate(self.models):
+                if self._grad_sync is not None:
+                    self._grad_sync[chunk](model.parameters())
+                elif getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False):
+                    model.start_grad_sync()  # finalize_model_grads' finish_grad_sync waits for it
+                self._synced.add(chunk)
             return
         if not self.interleaved:
             if self._context is not None:

@@ -26,7 +26,7 @@ from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, byte_limit, compat, recovery
 from .config import RRFPConfig, defaults
-from .dp_overlap import overlapped_dp_communication_allowed, whole_stage_agreement
+from .dp_overlap import AFTER_LOOP, LOCKSTEP, describe, dp_communication, overlapped_dp_communication_allowed
 from .grad_sync import GradSyncController
 from .session import session
 from .stage_work import MegatronStageWork, attach_split_readiness, weight_grad_store, with_split_capability
@@ -109,9 +109,14 @@ def forward_backward_rrfp(
     _check_supported(config, models)
     device = compat.pipeline_device()
     data_parallel_size = compat.data_parallel_size(pg_collection)
-    # interleaved DP overlap on CUDA: every DP replica of the stage joins the agreement (dp_overlap.py);
-    # forward-only calls too, so evaluation does not rebuild the session's groups each time
-    dp_whole_stage = whole_stage_agreement(models, device_type=device.type, data_parallel_size=data_parallel_size)
+    # interleaved DP overlap on CUDA: lock-step (every DP replica of the stage joins the agreement) or the DP
+    # communication out of the task loop (dp_overlap.py); the mode of training calls, for forward-only calls
+    # too, so evaluation does not rebuild the session's groups each time
+    pp_group = compat.pipeline_group(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
+    dp_mode = dp_communication(models, device_type=device.type, data_parallel_size=data_parallel_size,
+                               pipeline_size=pp_group.size(), choice=options.dp_overlap)
+    _say_dp_mode_once(dp_mode, options.dp_overlap, models, data_parallel_size)
+    dp_whole_stage = dp_mode == LOCKSTEP
     groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator,
                                    whole_stage=compat.reduces_over_data_parallel(config) or dp_whole_stage)
     pp_ranks = dist.get_process_group_ranks(groups.pp)
@@ -148,7 +153,7 @@ def forward_backward_rrfp(
 
     with meter:
         grad_sync = GradSyncController(config, models, pp_rank=stage, num_microbatches=num_microbatches,
-                                       forward_only=forward_only)
+                                       forward_only=forward_only, in_loop=dp_mode != AFTER_LOOP)
         recovery.track(config, grad_sync)  # from here on a failure leaves the runtime unusable: clean up
         grad_sync.start()
         work = MegatronStageWork(
@@ -159,7 +164,7 @@ def forward_backward_rrfp(
         work.wgrad_store = wgrad_store
         work.defers_weight = arbiter.defers_weight  # a B whose stash the byte budget has no room for runs unsplit
         if wgrad_store is not None:
-            attach_split_readiness(work, overlap_allowed=overlapped_dp_communication_allowed(
+            attach_split_readiness(work, overlap_allowed=dp_mode != AFTER_LOOP and overlapped_dp_communication_allowed(
                 device_type=device.type, data_parallel_size=data_parallel_size, interleaved=len(models) > 1,
                 whole_stage=dp_whole_stage))
         iteration = PipelineIteration(
@@ -190,6 +195,17 @@ def forward_backward_rrfp(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return work.losses_in_microbatch_order()
+
+
+_DP_MODE_SAID: set = set()
+
+
+def _say_dp_mode_once(mode: str, choice: str, models, data_parallel_size: int) -> None:
+    """Rank 0 names the choice once per model (it changes where DP time is spent)."""
+    if mode in (LOCKSTEP, AFTER_LOOP) and id(models[0]) not in _DP_MODE_SAID:
+        _DP_MODE_SAID.add(id(models[0]))
+        if dist.get_rank() == 0:
+            print(describe(mode, choice, models, data_parallel_size), flush=True)
 
 
 def _all_true(value: bool, group, device) -> bool:

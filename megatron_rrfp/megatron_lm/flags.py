@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..checks import BUFFER_LIMIT, TIMEOUT_S
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig, collective_timeout_floor_s
+from ..mcore.dp_overlap import AFTER_LOOP_FROM_PP, DP_OVERLAP_CHOICES
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 from ..policy.hints import BUILTIN_HINTS, HintError
 from ..policy.topology import Topology
@@ -45,6 +46,12 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
     group.add_argument("--rrfp-timeout", type=timeout_type, default=DEFAULT_TIMEOUT_S,
                        help=f"seconds without progress before a rank fails with a state dump "
                             f"(default {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--rrfp-dp-overlap", choices=DP_OVERLAP_CHOICES, default="auto",
+                       help="with interleaving, DP > 1 and --overlap-grad-reduce / --overlap-param-gather on GPUs: "
+                            "lockstep (DP communication inside the task loop, every DP replica of a stage in the "
+                            "agreement), after-loop (parameter all-gathers before the task loop, reductions after "
+                            f"it; on any device when named) or auto (after-loop from PP {AFTER_LOOP_FROM_PP}, "
+                            "lockstep below; default)")
     group.add_argument("--rrfp-trace-dir", default=None,
                        help="write a Chrome/Perfetto trace of measured task timings per rank here")
     group.add_argument("--rrfp-goodput-ledger", default=None,
@@ -147,7 +154,8 @@ def rrfp_config_from_args(args: argparse.Namespace) -> RRFPConfig:
     TIMEOUT_S.check("--rrfp-timeout (seconds)", args.rrfp_timeout)
     try:
         return RRFPConfig.of(hint=args.rrfp_hint, buffer_limit=args.rrfp_buffer_limit, strict=args.rrfp_strict,
-                             timeout_s=args.rrfp_timeout, record_spans=bool(getattr(args, "rrfp_trace_dir", None)))
+                             timeout_s=args.rrfp_timeout, record_spans=bool(getattr(args, "rrfp_trace_dir", None)),
+                             dp_overlap=getattr(args, "rrfp_dp_overlap", "auto"))
     except HintError as exc:
         raise ValueError(f"--rrfp-hint: {exc}") from exc
 

@@ -164,6 +164,7 @@ class TrainConfig:
     rrfp_buffer_limit: Union[int, str] = _shared(DEFAULT_BUFFER_LIMIT)
     rrfp_strict: bool = _shared(False)
     rrfp_timeout: float = _shared(DEFAULT_TIMEOUT_S)
+    rrfp_dp_overlap: str = _shared("auto")
     rrfp_trace_dir: Optional[str] = _shared(None)
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 

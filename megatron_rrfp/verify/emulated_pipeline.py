@@ -63,11 +63,13 @@ class EmulatedJob:
     overlap_param_gather: bool = False  # distributed optimizer all-gathers where megatron issues them
     buckets: int = 2  # chunk 0's DDP buckets; later chunks have one (Megatron-LM's disable_bucketing)
     straggler: float = 1.0  # each (pipeline, stage) runs its device work at a speed factor in [1/x, x]
+    dp_after_loop: bool = False  # --rrfp-dp-overlap after-loop: all-gathers before the loop, reductions after it
 
     def describe(self) -> str:
         dp = (f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
               + (" grad-reduce" if self.overlap_grad_reduce else "")
-              + (" param-gather" if self.overlap_param_gather else "")) if self.dp > 1 else ""
+              + (" param-gather" if self.overlap_param_gather else "")
+              + (" after-loop" if self.dp_after_loop else "")) if self.dp > 1 else ""
         return (f"PP={self.pp} TP={self.tp}{dp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
                 f"limit={self.buffer_limit} {self.protocol} seed={self.seed}")
 
@@ -76,7 +78,8 @@ class EmulatedJob:
         """The agreement spans every DP replica of a stage (mcore/dp_overlap.py's rule; on
         CUDA where it asks for it), unless this is the ablation that drops the rule."""
         overlap = self.overlap_grad_reduce or self.overlap_param_gather
-        return self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
+        return (self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
+                and not self.dp_after_loop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,9 @@ class EmulatedWork:
       of the call, chunk c + 1 before chunk c's first forward; one chunk: its buckets in its
       first forward (DDP's forward pre-hook chain);
     * ``overlap_grad_reduce``: a chunk's buckets in its last B (last W under the split: every
-      bucket holds a W-computed weight), in bucket order; without it (or at the end) after the loop.
+      bucket holds a W-computed weight), in bucket order; without it (or at the end) after the loop;
+    * ``dp_after_loop`` (``grad_sync``'s ``in_loop=False``): every chunk's all-gathers at the start
+      of the call, every reduction after the loop, in chunk and bucket order.
     """
 
     def __init__(self, job: EmulatedJob, device: EmulatedDevice, tp_ops: TPGroupOps, topology: Topology,
@@ -116,8 +121,8 @@ class EmulatedWork:
         self._f_seen, self._b_left = set(), [self.job.microbatches] * chunks
         self._w_left = [self.job.microbatches] * chunks
         self._reduced: set = set()
-        if self.dp_ops is not None and self.job.overlap_param_gather and chunks > 1:
-            for chunk in range(min(2, chunks)):
+        if self.dp_ops is not None and self.job.overlap_param_gather and (chunks > 1 or self.job.dp_after_loop):
+            for chunk in range(chunks if self.job.dp_after_loop else min(2, chunks)):
                 self._dp("gather", chunk)
 
     def finish_iteration(self) -> None:
@@ -152,7 +157,8 @@ class EmulatedWork:
     def forward(self, task: Task, input_tensor, send) -> None:
         out = self.device.empty((2,), torch.float32)
         first = self.topology.is_first(self.stage, task.chunk)
-        if self.dp_ops is not None and self.job.overlap_param_gather and task.chunk not in self._f_seen:
+        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.dp_after_loop
+                and task.chunk not in self._f_seen):
             self._f_seen.add(task.chunk)
             if self.topology.num_chunks == 1:
                 self._dp("gather", 0)
@@ -192,7 +198,7 @@ class EmulatedWork:
             self._dp("reduce", task.chunk)
 
     def _reduces_now(self) -> bool:
-        return self.dp_ops is not None and self.job.overlap_grad_reduce
+        return self.dp_ops is not None and self.job.overlap_grad_reduce and not self.job.dp_after_loop
 
 
 class _RoundsWithoutRingRule(RoundTransport):
@@ -410,7 +416,7 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
             microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6))
             grad, param = rng.choice(((True, True), (True, False), (False, True), (True, True)))
             dp = dict(dp=2, ep=rng.choice((1, 1, 2)), overlap_grad_reduce=grad, overlap_param_gather=param,
-                      buckets=rng.choice((1, 2, 3)))
+                      buckets=rng.choice((1, 2, 3)), dp_after_loop=chunks > 1 and rng.random() < 0.5)
         jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches,
                                 hint=hint, buffer_limit=rng.choice((2, 4, 32)), protocol=protocol,
                                 seed=seed * 1000 + i, task_ms=(0.2, rng.choice((1.0, 3.0))),
@@ -420,11 +426,13 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
     return jobs
 
 
-def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
+def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0,
+                   dp_after_loop: bool = False) -> list[EmulatedJob]:
     """Interleaved DP=2 jobs made to separate the pipelines: PP 3-4, 2-3 chunks, overlapped
     reductions (all-gathers in half), stages at paces up to 3-6x apart, slow host channels —
     where dropping the whole-stage rule (``rounds-dp-unagreed``) can close a cycle through
-    both pipelines (``runtime/rounds.py``: R(c) before round j on one, after round i on the other)."""
+    both pipelines (``runtime/rounds.py``: R(c) before round j on one, after round i on the other);
+    ``dp_after_loop``: the same jobs with the DP communication out of the loop instead."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
@@ -435,7 +443,7 @@ def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0
                                 buckets=rng.choice((1, 3)), straggler=rng.choice((3.0, 6.0)),
                                 host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
                                 task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
-                                quiet_s=quiet_s, timeout_s=20.0))
+                                quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop))
     return jobs
 
 

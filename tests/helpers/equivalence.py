@@ -56,6 +56,8 @@ class Case:
     use_distributed_optimizer: bool = False
     bucket_size: Optional[int] = None
     """DDP's bucket size in elements (small: several buckets, to see them launch one by one)."""
+    dp_overlap: str = "auto"
+    """RRFPConfig.dp_overlap ('after-loop': every reduction after the task loop, on any device)."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -197,7 +199,7 @@ def compare_with_megatron(case: Case) -> dict:
         from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
     options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
-                            timeout_s=case.timeout_s, transport=case.transport)
+                            timeout_s=case.timeout_s, transport=case.transport, dp_overlap=case.dp_overlap)
     tasks_started = [0]
 
     def task_delay(task):  # also counts RRFP's tasks, to place the bucket launches
