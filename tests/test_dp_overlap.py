@@ -31,12 +31,11 @@ def test_only_interleaved_dp_overlap_on_cuda_needs_the_whole_stage_agreement():
 def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
     chunks = [_ddp(True, True), _ddp(True, True)]
 
-    def mode(models=chunks, device="cuda", dp=2, pp=4, choice="auto", forward_only=False):
-        return dp_overlap.dp_communication(models, device_type=device, data_parallel_size=dp, pipeline_size=pp,
-                                           choice=choice, forward_only=forward_only)
+    def mode(models=chunks, device="cuda", dp=2, choice="auto", forward_only=False):
+        return dp_overlap.dp_communication(models, device_type=device, data_parallel_size=dp, choice=choice,
+                                           forward_only=forward_only)
 
-    assert [mode(pp=pp) for pp in (2, 3, 4, 8)] == [LOCKSTEP, LOCKSTEP, AFTER_LOOP, AFTER_LOOP]  # auto
-    assert mode(pp=8, choice="lockstep") == LOCKSTEP and mode(pp=2, choice="after-loop") == AFTER_LOOP
+    assert mode() == mode(choice="after-loop") == AFTER_LOOP and mode(choice="lockstep") == LOCKSTEP
     # nothing to place: CPU, one chunk, DP 1, no overlap flag, forward only; a named after-loop applies anywhere
     assert mode(device="cpu") == mode(models=chunks[:1]) == mode(dp=1) == IN_LOOP
     assert mode(models=[_ddp(False, False)] * 2) == mode(forward_only=True) == IN_LOOP
@@ -44,7 +43,8 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
     assert mode(device="cpu", choice="after-loop") == mode(models=chunks[:1], choice="after-loop") == AFTER_LOOP
     assert dp_overlap.describe(AFTER_LOOP, "auto", chunks, 2) == (
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter all-gathers "
-        "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap auto: from PP 4)")
+        "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap auto; 'lockstep' "
+        "keeps it in the loop)")
     with pytest.raises(ValueError, match=r"dp_overlap \(--rrfp-dp-overlap\) must be one of auto, lockstep, after-loop"):
         RRFPConfig.of(dp_overlap="at-end")
 

@@ -79,6 +79,9 @@ def add_bench_parsers(sub) -> None:
         production.add_argument("--whole-stage-agreement", action="store_true",
                                 help="RRFP agrees over every DP replica of a stage, as on CUDA with interleaving, "
                                      "DP > 1 and overlap: measures the rule's cost on CPU")
+        production.add_argument("--rrfp-dp-overlap", default="auto", choices=("auto", "lockstep", "after-loop"),
+                                help="as train's flag; after-loop applies on CPU too (all-gathers before RRFP's task "
+                                     "loop, reductions after it)")
         p.set_defaults(func=_run_bench)
 
 
@@ -112,7 +115,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather, dp_reduce_ms=args.dp_reduce_ms,
         dp_gather_ms=args.dp_gather_ms, a2a_ms=args.a2a_ms, whole_stage_agreement=args.whole_stage_agreement,
-        transport=args.rrfp_transport,
+        transport=args.rrfp_transport, dp_overlap=args.rrfp_dp_overlap,
         image_size=args.img_h if llava is not None else None, patch_dim=args.patch_dim)
     report = run_bench(config)
     print(format_table(report))

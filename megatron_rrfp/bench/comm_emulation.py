@@ -19,7 +19,9 @@ beside compute, and whoever needs a result sleeps until the channel delivers it.
   ``--overlap-param-gather`` after the step, every chunk's in turn (``after_call`` sleeps
   their sum inside the measured iteration); with it, launched when the iteration starts in
   chunk order, and chunk c's first forward waits for its first bucket group (DDP's forward
-  pre-hook; the rest hide behind that forward, as in the simulator);
+  pre-hook; the rest hide behind that forward, as in the simulator); RRFP's after-loop choice
+  (``--rrfp-dp-overlap after-loop``) forces them before the first task
+  (``start_param_sync(force_sync=True)``), which then waits for every chunk's;
 * **all-to-alls** (``a2a_s`` each): megatron-core's ``_AllToAll`` (the alltoall dispatcher's
   dispatch and combine, in F and in B) sleeps ``a2a_s`` in place: a blocking collective inside
   the task, counted as the task's device time (``take_task_device``).
@@ -72,6 +74,9 @@ def check_communication(config) -> None:
                          "(the all-to-alls it times)")
     if config.transport not in ("auto", "threads", "rounds"):
         raise ValueError(f"--rrfp-transport {config.transport!r}: choose auto, threads or rounds")
+    if config.whole_stage_agreement and config.dp_overlap == "after-loop":
+        raise ValueError("--whole-stage-agreement forces lock-step; --rrfp-dp-overlap after-loop takes the DP "
+                         "communication out of the loop instead: choose one")
     if config.whole_stage_agreement and (config.num_chunks < 2 or config.data_parallel < 2
                                        or not (config.overlap_grad_reduce or config.overlap_param_gather)):
         raise ValueError("--whole-stage-agreement needs --chunks > 1, --dp > 1 and --overlap-grad-reduce "
@@ -107,6 +112,10 @@ class CommEmulator:
         self._lock = threading.Lock()
         self._done: dict[int, float] = {}  # id(bucket group) -> when its reduction is done
         self._gathered: list[float] = []  # per chunk: when its first forward may start
+        self._all_gathered: list[float] = []  # per chunk: when its last bucket group is gathered
+        self._chunk_of = {id(g): c for c, chunk in enumerate(chunks)
+                          for g in (*getattr(chunk, "bucket_groups", ()),
+                                    *getattr(chunk, "expert_parallel_bucket_groups", ()))}
         self._forwards_seen: set[int] = set()
         self.free_at = 0.0
         self.exposed_s = 0.0
@@ -125,11 +134,12 @@ class CommEmulator:
         self._forwards_seen.clear()
         self.exposed_s, self.free_at = 0.0, now
         self._gathered = [0.0] * len(self.chunks)
+        self._all_gathered = [0.0] * len(self.chunks)
         if self.times.overlap_param_gather and self.times.dp_gather_s:
             # launched after the previous step in chunk order; a chunk's first group first
             for chunk in range(len(self.chunks)):
                 self._gathered[chunk] = self._queue(now, self.times.dp_gather_s * self._first_share(chunk))
-                self._queue(now, self.times.dp_gather_s * (1 - self._first_share(chunk)))
+                self._all_gathered[chunk] = self._queue(now, self.times.dp_gather_s * (1 - self._first_share(chunk)))
 
     def after_call(self) -> None:
         """After the schedule: the all-gathers of a step without --overlap-param-gather."""
@@ -155,6 +165,12 @@ class CommEmulator:
         if share is None or id(group) in self._done:
             return
         self._done[id(group)] = self._queue(time.time(), self.times.dp_reduce_s * share)
+
+    def gathered_now(self, group) -> None:
+        """A forced (synchronous) all-gather: wait until the chunk's gathers are done."""
+        chunk = self._chunk_of.get(id(group))
+        if chunk is not None and chunk < len(self._all_gathered):
+            self._sleep_until(self._all_gathered[chunk])
 
     def finished(self, group) -> None:
         done = self._done.get(id(group))
@@ -213,6 +229,14 @@ def _patch_megatron() -> None:
 
     _ParamAndGradBucketGroup.start_grad_sync = then(_ParamAndGradBucketGroup.start_grad_sync, "launched")
     _ParamAndGradBucketGroup.finish_grad_sync = then(_ParamAndGradBucketGroup.finish_grad_sync, "finished")
+    plain_gather = _ParamAndGradBucketGroup.start_param_sync
+    forced_gather = then(plain_gather, "gathered_now")
+
+    @functools.wraps(plain_gather)
+    def start_param_sync(group, *args, force_sync: bool = False, **kwargs):  # forced: RRFP's after-loop choice
+        return (forced_gather if force_sync else plain_gather)(group, *args, force_sync=force_sync, **kwargs)
+
+    _ParamAndGradBucketGroup.start_param_sync = start_param_sync
     mappings._AllToAll.forward, mappings._AllToAll.backward = \
         timed(mappings._AllToAll.forward), timed(mappings._AllToAll.backward)
     _ParamAndGradBucketGroup._rrfp_comm_emulated = True

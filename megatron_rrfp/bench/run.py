@@ -102,6 +102,8 @@ class BenchConfig:
     """Emulated device time of each MoE expert all-to-all (dispatch / combine, in F and in B)."""
     transport: str = "auto"
     """RRFP's transport (RRFPConfig.transport): auto, threads, or rounds (the NCCL protocol CUDA runs, on gloo)."""
+    dp_overlap: str = "auto"
+    """RRFPConfig.dp_overlap: 'after-loop' takes RRFP's DP communication out of its task loop, on CPU too."""
     whole_stage_agreement: bool = False
     """Apply the whole-stage agreement (mcore/dp_overlap.py: CUDA applies it with interleaving, DP > 1
     and an overlap flag) on CPU too, to measure what it costs (the breakdown's agree_s)."""
@@ -319,7 +321,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
         else:
             options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True,
-                                 transport=config.transport)
+                                 transport=config.transport, dp_overlap=config.dp_overlap)
             forward_backward_rrfp(rrfp_config=options, **kwargs)
             report = last_iteration_report()
             own_spans = report.spans

@@ -58,7 +58,8 @@ def summarize(config, per_rank: list[dict]) -> dict:
             sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
                                                          realization).makespan)
             if config.dp_reduce_ms or config.dp_gather_ms:
-                sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization))
+                sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization,
+                                                                     rrfp=run.schedule != "megatron-1f1b"))
             if host_costs[run.key] is not None:
                 sims_host.setdefault(run.key, []).append(simulate(
                     arbiter_config, topology, config.num_microbatches,
@@ -108,18 +109,26 @@ def summarize(config, per_rank: list[dict]) -> dict:
     return report
 
 
-def _with_dp_comm(config, arbiter_config, topology, realization) -> float:
+def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) -> float:
     """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
-    bench's DDP layout), the bench's emulated times (seconds, like the realization's)."""
+    bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
+    after-loop choice (``mcore/dp_overlap.py``) as DP communication at the end."""
+    import torch
+
+    from ..mcore.dp_overlap import AFTER_LOOP, dp_communication_of_layout
     from ..sim.dp_comm import DPComm, iteration_time
     from ..sim.simulator import simulate
 
+    after_loop = rrfp and dp_communication_of_layout(
+        overlap=config.overlap_grad_reduce or config.overlap_param_gather, num_chunks=topology.num_chunks,
+        device_type="cuda" if torch.cuda.is_available() else "cpu", data_parallel_size=config.data_parallel,
+        choice=config.dp_overlap) == AFTER_LOOP
     trace = simulate(arbiter_config, topology, config.num_microbatches, realization, record_trace=True).trace
     comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,
                   buckets_per_chunk=1)
     return iteration_time(trace, topology.num_stages, topology.num_chunks, comm,
-                          overlap_grad_reduce=config.overlap_grad_reduce,
-                          overlap_param_gather=config.overlap_param_gather)
+                          overlap_grad_reduce=config.overlap_grad_reduce and not after_loop,
+                          overlap_param_gather=config.overlap_param_gather and not after_loop)
 
 
 def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:

@@ -33,11 +33,13 @@ Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
   replicas stay independent and nothing in the loop joins two pipelines. Cost: the DP
   communication is no longer hidden behind compute.
 
-Neither wins everywhere (simulator, ``scripts/lockstep_cost.py``; measured, docs/
-production-configurations.md): lock-step gives back most of RRFP's gain under run-time
-jitter, the more so the deeper the pipeline (+17-22% at PP 4-8, j3), while after-loop pays
-the unhidden DP time, which matters most at PP 2. ``auto`` reads after-loop from PP 4 and
-lockstep below.
+Measured on the CUDA protocol over gloo (DP2 x 2 chunks, j3, quiet; docs/production-
+configurations.md) after-loop wins at PP 2 and PP 4 (1.09x / 1.01x of Megatron's overlapped
+interleaved schedule against lock-step's 1.01x / 0.84x, equal memory), so ``auto`` reads
+after-loop. The simulator (``scripts/lockstep_cost.py``) agrees under jitter from PP 4 (lock-step
+costs +17-22% at PP 4-8, j3) but has lock-step ahead where run-time jitter is small (j1-j2
+at PP 2) or DP communication is large against the pipeline's work (2 f0 a reduction at PP 4:
+0.97x against 0.94x): name ``lockstep`` there.
 
 CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing; an
 explicit ``after-loop`` applies on any device.
@@ -57,28 +59,35 @@ def overlapping_flags(models) -> list[str]:
 
 
 def whole_stage_agreement(models, *, device_type: str, data_parallel_size: int, forward_only: bool = False) -> bool:
-    """Must the agreement span every DP replica of the stage (module docstring)?"""
-    return (device_type == "cuda" and data_parallel_size > 1 and len(models) > 1 and not forward_only
-            and bool(overlapping_flags(models)))
+    """Does DP communication here need a rule on CUDA (interleaving, DP > 1, an overlap flag), so
+    that lock-step spans every DP replica of the stage (module docstring)?"""
+    return dp_communication(models, device_type=device_type, data_parallel_size=data_parallel_size,
+                            choice=LOCKSTEP, forward_only=forward_only) == LOCKSTEP
 
 
 IN_LOOP, LOCKSTEP, AFTER_LOOP = "in-loop", "lockstep", "after-loop"
 DP_OVERLAP_CHOICES = ("auto", LOCKSTEP, AFTER_LOOP)
-AFTER_LOOP_FROM_PP = 4
-"""``auto``: after-loop from this pipeline depth (module docstring)."""
 
 
-def dp_communication(models, *, device_type: str, data_parallel_size: int, pipeline_size: int,
-                     choice: str = "auto", forward_only: bool = False) -> str:
+def dp_communication(models, *, device_type: str, data_parallel_size: int, choice: str = "auto",
+                     forward_only: bool = False) -> str:
     """Where this call's DP communication goes: ``IN_LOOP`` (where megatron issues it, covered
     as it is), ``LOCKSTEP`` (in the loop, under the whole-stage agreement) or ``AFTER_LOOP``."""
-    if forward_only or data_parallel_size <= 1 or not overlapping_flags(models):
+    return dp_communication_of_layout(
+        overlap=bool(overlapping_flags(models)), num_chunks=len(models), device_type=device_type,
+        data_parallel_size=data_parallel_size, choice=choice, forward_only=forward_only)
+
+
+def dp_communication_of_layout(*, overlap: bool, num_chunks: int, device_type: str, data_parallel_size: int,
+                               choice: str = "auto", forward_only: bool = False) -> str:
+    """``dp_communication`` from the layout (``overlap``: an overlap flag is set) without the models."""
+    if forward_only or data_parallel_size <= 1 or not overlap:
         return IN_LOOP
     if choice == AFTER_LOOP:
         return AFTER_LOOP
-    if not whole_stage_agreement(models, device_type=device_type, data_parallel_size=data_parallel_size):
+    if device_type != "cuda" or num_chunks < 2:
         return IN_LOOP
-    return LOCKSTEP if choice == LOCKSTEP or pipeline_size < AFTER_LOOP_FROM_PP else AFTER_LOOP
+    return LOCKSTEP if choice == LOCKSTEP else AFTER_LOOP  # auto: after-loop (module docstring)
 
 
 def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
@@ -86,8 +95,7 @@ def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
     flags = " ".join("--" + f.split("(--")[1].rstrip(")") for f in overlapping_flags(models))
     where = ("in the task loop, every DP replica of a stage in the agreement (lock-step)" if mode == LOCKSTEP
              else "parameter all-gathers before the task loop, reductions after it (replicas independent)")
-    why = "--rrfp-dp-overlap " + (choice if choice != "auto" else
-                                  f"auto: {'from' if mode == AFTER_LOOP else 'below'} PP {AFTER_LOOP_FROM_PP}")
+    why = f"--rrfp-dp-overlap {choice}" + ("; 'lockstep' keeps it in the loop" if choice == "auto" else "")
     layout = f"DP {data_parallel_size}" + (f" x {len(models)} chunks" if len(models) > 1 else "")
     return f"megatron-rrfp: {layout} with {flags}: {where} ({why})"
 
@@ -99,5 +107,6 @@ def overlapped_dp_communication_allowed(*, device_type: str, data_parallel_size:
     return whole_stage or device_type != "cuda" or data_parallel_size <= 1 or not interleaved
 
 
-__all__ = ["AFTER_LOOP", "AFTER_LOOP_FROM_PP", "DP_OVERLAP_CHOICES", "IN_LOOP", "LOCKSTEP", "describe",
-           "dp_communication", "overlapped_dp_communication_allowed", "overlapping_flags", "whole_stage_agreement"]
+__all__ = ["AFTER_LOOP", "DP_OVERLAP_CHOICES", "IN_LOOP", "LOCKSTEP", "describe",
+           "dp_communication", "dp_communication_of_layout", "overlapped_dp_communication_allowed",
+           "overlapping_flags", "whole_stage_agreement"]

@@ -112,9 +112,8 @@ def forward_backward_rrfp(
     # interleaved DP overlap on CUDA: lock-step (every DP replica of the stage joins the agreement) or the DP
     # communication out of the task loop (dp_overlap.py); the mode of training calls, for forward-only calls
     # too, so evaluation does not rebuild the session's groups each time
-    pp_group = compat.pipeline_group(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
     dp_mode = dp_communication(models, device_type=device.type, data_parallel_size=data_parallel_size,
-                               pipeline_size=pp_group.size(), choice=options.dp_overlap)
+                               choice=options.dp_overlap)
     _say_dp_mode_once(dp_mode, options.dp_overlap, models, data_parallel_size)
     dp_whole_stage = dp_mode == LOCKSTEP
     groups = compat.process_groups(pg_collection=pg_collection, p2p_communicator=p2p_communicator,

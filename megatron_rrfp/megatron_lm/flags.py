@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..checks import BUFFER_LIMIT, TIMEOUT_S
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig, collective_timeout_floor_s
-from ..mcore.dp_overlap import AFTER_LOOP_FROM_PP, DP_OVERLAP_CHOICES
+from ..mcore.dp_overlap import DP_OVERLAP_CHOICES
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 from ..policy.hints import BUILTIN_HINTS, HintError
 from ..policy.topology import Topology
@@ -50,8 +50,7 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
                        help="with interleaving, DP > 1 and --overlap-grad-reduce / --overlap-param-gather on GPUs: "
                             "lockstep (DP communication inside the task loop, every DP replica of a stage in the "
                             "agreement), after-loop (parameter all-gathers before the task loop, reductions after "
-                            f"it; on any device when named) or auto (after-loop from PP {AFTER_LOOP_FROM_PP}, "
-                            "lockstep below; default)")
+                            "it; on any device when named) or auto (after-loop there; default)")
     group.add_argument("--rrfp-trace-dir", default=None,
                        help="write a Chrome/Perfetto trace of measured task timings per rank here")
     group.add_argument("--rrfp-goodput-ledger", default=None,

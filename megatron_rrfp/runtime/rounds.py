@@ -115,7 +115,12 @@ stage issues all-gathers 0, 1, ..., C - 1, then reductions C - 1, ..., 0. Their 
   graph is a single pipeline's), and the argument applies unchanged, the split's in-loop
   reductions included (``SplitReadiness(overlap_allowed=True)``). Without the rule the
   interleaved case stays outside the argument (``overlapped_dp_communication_allowed(...,
-  whole_stage=False)``).
+  whole_stage=False)``). **The other choice** (``--rrfp-dp-overlap after-loop``,
+  ``grad_sync``'s ``in_loop=False``): no DP collective inside the loop at all — every
+  all-gather completes before the first round of the call is issued and every reduction is
+  issued after the last round has completed (the loop ends with ``flush``), in one static
+  order (chunk, bucket) on every replica; they then sit where the optimizer step's
+  collectives sit, and each pipeline's rounds are again a single pipeline's graph.
 
 The device and the host channel are injected (``Device``, ``HostChannel``):
 ``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated
