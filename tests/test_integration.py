@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The CLI surface the hook adds to Megatron-LM's parser (frozen: changing it is a decision).
 RRFP_FLAGS = {"--pipeline-schedule", "--rrfp-hint", "--rrfp-buffer-limit", "--rrfp-strict", "--rrfp-timeout",
-              "--rrfp-trace-dir", "--rrfp-goodput-ledger"}
+              "--rrfp-dp-overlap", "--rrfp-trace-dir", "--rrfp-goodput-ledger"}
 
 # The shape of Megatron-LM's megatron/training/arguments.py that the hook relies on
 # (written for this test, not copied): parse_args() calls the *module-level*
