@@ -5,9 +5,10 @@ Why not torch's launcher here: each rank it starts is a fresh interpreter that i
 and megatron-core (~6 s of CPU, 1.7 s of it megatron-core's ``torch.compile``-decorated
 fusions), so on the small CPU hosts ``--cpu`` runs on, a short job was mostly imports
 (a 4-rank run: ~25 s of CPU before the first step). A fork of a process that has imported
-them but never run a tensor op, never started a thread and never touched CUDA (``--cpu``
-empties CUDA_VISIBLE_DEVICES before the imports) starts at once and is safe; the same
-reasoning as the fork server of ``launcher.py``. GPU runs keep torch's launcher
+them but never run a tensor op, started no Python thread (the one native thread importing
+torch starts is idle) and never touched CUDA (``--cpu`` empties CUDA_VISIBLE_DEVICES before
+the imports) starts at once and is safe, as torch.multiprocessing's 'fork' start method and
+the fork server of ``launcher.py`` rely on. GPU runs keep torch's launcher
 (``torchrun.py``): a fork must not inherit a CUDA driver, and GPU hosts have the cores.
 
 What the ranks see and what happens on failure are torch's launcher's (``torchrun.py``):
