@@ -128,18 +128,22 @@ def _production_steps_on_cpu() -> list:
     from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
-    return [compare_with_megatron(ctx, iterations=2, num_microbatches=4, device="cpu", **PRODUCTION_STEPS[name])
-            for name in ("production-bf16-dp-overlap-pp2-chunks2", "production-moe-ep2-pp2")]
+    # the DP-overlap step as CUDA runs it by default: DP communication out of the loop (named: CPU needs no rule)
+    after_loop = {**PRODUCTION_STEPS["production-dp-overlap-pp2-chunks2"], "dp_overlap": "after-loop"}
+    return [compare_with_megatron(ctx, iterations=2, num_microbatches=4, device="cpu", **layout)
+            for layout in (PRODUCTION_STEPS["production-bf16-dp-overlap-pp2-chunks2"],
+                           PRODUCTION_STEPS["production-moe-ep2-pp2"], after_loop)]
 
 
 @pytest.mark.timeout(400)
 def test_production_selfcheck_steps_run_on_cpu():
     """The GPU self-check's production steps' code on gloo, 4 ranks: DP2 x PP2 x 2 chunks with
-    --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer in bf16, and MoE
-    EP2 x PP2 (alltoall), each against Megatron's own schedule."""
+    --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer in bf16, MoE
+    EP2 x PP2 (alltoall), and the fp32 DP-overlap step with its DP communication out of the loop
+    (Megatron-LM's grad_sync_func / param_sync_func set), each against Megatron's own schedule."""
     from megatron_rrfp.dist.launcher import launch
 
     for results in launch(_production_steps_on_cpu, world_size=4, tp=1, pp=2, timeout=360):
-        assert [status for status, _ in results] == ["PASS", "PASS"], results
+        assert [status for status, _ in results] == ["PASS", "PASS", "PASS"], results
         assert "2 chunks x DP=2, overlapped DP + distributed optimizer, bf16" in results[0][1], results
         assert "EP=2 (alltoall)" in results[1][1], results

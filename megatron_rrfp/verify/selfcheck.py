@@ -57,11 +57,13 @@ STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory
 STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
                    "te-bfw", "te-bias", "te-first-microbatch", "te-fp8", "te-grouped",
                    *("production-" + name for name in ("sp-tp2-pp2", "dp-overlap-pp2-chunks2",
-                                                     "moe-ep2-pp2", "bf16-dp-overlap-pp2-chunks2")))
+                                                     "dp-lockstep-pp2-chunks2", "moe-ep2-pp2",
+                                                     "bf16-dp-overlap-pp2-chunks2")))
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
                "equivalence-pp4-chunks2-dp2": 8, "production-sp-tp2-pp2": 4, "production-dp-overlap-pp2-chunks2": 4,
-               "production-moe-ep2-pp2": 4, "production-bf16-dp-overlap-pp2-chunks2": 4}
+               "production-dp-lockstep-pp2-chunks2": 4, "production-moe-ep2-pp2": 4,
+               "production-bf16-dp-overlap-pp2-chunks2": 4}
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 
@@ -296,9 +298,10 @@ def step_equivalence_pp4_chunks2_dp2(ctx) -> Result:
 # 2-4 layer model plus one NCCL layout each; like the equivalence steps above, seconds apiece.
 PRODUCTION_STEPS = {
     "production-sp-tp2-pp2": dict(tp=2, pp=2, sequence_parallel=True),  # W re-gathers its input over TP
-    # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved:
-    # the whole-stage agreement (mcore/dp_overlap.py)
+    # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved (mcore/dp_overlap.py):
+    # the default, DP communication out of the task loop; and in it, under the whole-stage agreement
     "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
+    "production-dp-lockstep-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="lockstep"),
     "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
     "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),
 }

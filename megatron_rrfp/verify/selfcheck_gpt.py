@@ -32,13 +32,15 @@ def _grads(model) -> list:
 
 def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterations: int = 3,
                           num_microbatches: int = 8, device=None, hint=None, ep: int = 1, overlap: bool = False,
-                          sequence_parallel: bool = False, bf16: bool = False) -> tuple[str, str]:
+                          sequence_parallel: bool = False, bf16: bool = False, dp_overlap: str = "auto",
+                          ) -> tuple[str, str]:
     """(PASS | FAIL, one-line detail), the same on every rank. ``hint``: RRFP's (default: the
     default policy, which splits the backward where the model allows).
 
     Production options, as Megatron-LM wires them: ``ep`` (MoE, alltoall dispatcher, EP over DP),
     ``overlap`` (DDP --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, with
-    interleaving the per-chunk grad_sync_func / param_sync_func), ``sequence_parallel``, ``bf16``
+    interleaving the per-chunk grad_sync_func / param_sync_func; ``dp_overlap``: RRFPConfig's, where
+    that DP communication goes), ``sequence_parallel``, ``bf16``
     (bf16 weights and p2p, fp32 reduction; tolerance ``BF16_TOLERANCE``)."""
     import torch
     import torch.distributed as dist
@@ -104,7 +106,7 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
 
         reference, candidate = build(True), build(False)
         rng = random.Random(ctx["seed"] * 101 + dist.get_rank())  # delays: per rank
-        options = RRFPConfig.of(timeout_s=ctx["stall_timeout_s"], transport="rounds", hint=hint)
+        options = RRFPConfig.of(timeout_s=ctx["stall_timeout_s"], transport="rounds", hint=hint, dp_overlap=dp_overlap)
         data_seed = 100 + 7 * parallel_state.get_data_parallel_rank()
         loss_err = grad_err = 0.0
         for it in range(iterations):
