@@ -355,18 +355,14 @@ def _run_launcher(tmp_path, *launcher_args, env_extra=None) -> dict:
 
 
 @pytest.mark.timeout(150)
-def test_launcher_runs_the_script_as_main_with_its_own_argv(tmp_path):
-    out = _run_launcher(tmp_path, "SCRIPT", "--pipeline-schedule", "rrfp", "--cpu", "x")
-    assert out["name"] == "__main__"
-    assert out["argv"] == [out["script"], "--pipeline-schedule", "rrfp", "--cpu", "x"]  # after SCRIPT: the script's
-    assert out["path0"] == os.path.dirname(out["script"])
-
-
-@pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["--cpu", "RRFP_CPU=1"])
-def test_launcher_cpu_mode_redirects_cuda_calls(tmp_path, how):
+def test_launcher_runs_the_script_as_main_and_cpu_mode_redirects_cuda_calls(tmp_path, how):
     env = {"PROBE_CUDA": "1", **({"RRFP_CPU": "1"} if how == "RRFP_CPU=1" else {})}
-    out = _run_launcher(tmp_path, *(["--cpu"] if how == "--cpu" else []), "SCRIPT", env_extra=env)
+    script_args = ["--pipeline-schedule", "rrfp", "--cpu", "x"] if how == "--cpu" else []
+    out = _run_launcher(tmp_path, *(["--cpu"] if how == "--cpu" else []), "SCRIPT", *script_args, env_extra=env)
+    assert out["name"] == "__main__"
+    assert out["argv"] == [out["script"], *script_args]  # after SCRIPT: the script's own, a --cpu among them
+    assert out["path0"] == os.path.dirname(out["script"])
     assert out["device_count"] == 1
     assert out["zeros"] == out["tensor"] == out["dot_cuda"] == "cpu"
     assert out["elapsed_ms"] >= 0 and out["rng_repeats"]
