@@ -175,16 +175,6 @@ class ScheduleGroups:
     collection: Optional[Any]  # what to hand to finalize_model_grads (None: Megatron's globals)
 
 
-def pipeline_group(*, pg_collection=None, p2p_communicator=None):
-    """This rank's pipeline-parallel group (``process_groups``' ``pp``)."""
-    from megatron.core import parallel_state
-
-    if pg_collection is not None:
-        return pg_collection.pp
-    return p2p_communicator.pp_group if p2p_communicator is not None else \
-        parallel_state.get_pipeline_model_parallel_group()
-
-
 def process_groups(*, pg_collection=None, p2p_communicator=None, whole_stage: bool = False) -> ScheduleGroups:
     """The groups the schedule needs, from an explicit ProcessGroupCollection (0.15+) or
     from megatron's parallel_state.
@@ -199,9 +189,8 @@ def process_groups(*, pg_collection=None, p2p_communicator=None, whole_stage: bo
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    pp = pipeline_group(pg_collection=pg_collection, p2p_communicator=p2p_communicator)
     if pg_collection is not None:
-        tp, cp = pg_collection.tp, pg_collection.cp
+        pp, tp, cp = pg_collection.pp, pg_collection.tp, pg_collection.cp
         tp_cp = getattr(pg_collection, "tp_cp", None)
         if tp_cp is None and cp.size() > 1:
             raise ValueError("megatron_rrfp: pg_collection with context parallelism must carry 'tp_cp' "
@@ -210,6 +199,8 @@ def process_groups(*, pg_collection=None, p2p_communicator=None, whole_stage: bo
         if whole_stage:
             sharing.append(getattr(pg_collection, "tp_dp_cp", None))
     else:
+        pp = p2p_communicator.pp_group if p2p_communicator is not None else \
+            parallel_state.get_pipeline_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_group()
         cp = parallel_state.get_context_parallel_group()
         sharing = [parallel_state.get_tensor_and_context_parallel_group(), _expert_group(parallel_state)]

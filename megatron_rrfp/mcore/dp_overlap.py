@@ -35,7 +35,7 @@ Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
 
 Measured on the CUDA protocol over gloo (DP2 x 2 chunks, j3, quiet; docs/production-
 configurations.md) after-loop wins at PP 2 and PP 4 (1.09x / 1.01x of Megatron's overlapped
-interleaved schedule against lock-step's 1.01x / 0.84x, equal memory), so ``auto`` reads
+interleaved schedule against lock-step's 1.01x / 0.82x, equal memory), so ``auto`` reads
 after-loop. The simulator (``scripts/lockstep_cost.py``) agrees under jitter from PP 4 (lock-step
 costs +17-22% at PP 4-8, j3) but has lock-step ahead where run-time jitter is small (j1-j2
 at PP 2) or DP communication is large against the pipeline's work (2 f0 a reduction at PP 4:
