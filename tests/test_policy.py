@@ -59,7 +59,7 @@ def _megatron_accepts(pp: int, microbatches: int, chunks: int) -> bool:
     microbatches=st.integers(1, 12),
     chunks=st.integers(1, 3),
     limit=st.one_of(st.integers(1, 6), st.sampled_from(["1x", "1.5x", "0.5x"])),
-    hint=st.sampled_from(["default", "bf", "bfw", "1f1b", "zbh1", "gpipe"]),
+    hint=st.sampled_from(["default", "default-unsplit", "bf", "bfw", "1f1b", "zbh1", "gpipe"]),
     lookahead=st.sampled_from([1, 3, "pp", None]),
     strict=st.booleans(),
     sigma_compute=st.floats(0, 1.0),
@@ -76,7 +76,10 @@ def test_every_policy_completes_respects_dependencies_and_buffer(pp, microbatche
         Variability(sigma_compute=sigma_compute, c50=c50, sigma_msg=sigma_msg), topology, microbatches, seed)
     ordered = hint in ("1f1b", "zbh1", "default")  # default: zbh1 (the split backward is available here)
     spec = OrderedHint(hint if hint != "default" else "zbh1", lookahead=lookahead) if ordered else hint
-    config = ArbiterConfig(hint=spec, buffer_limit=limit, strict=strict)
+    if hint == "default-unsplit":  # without the split: 1F1B waiting for late forwards at 1x, bf elsewhere
+        spec = "default"
+    config = ArbiterConfig(hint=spec, buffer_limit=limit, strict=strict, split_backward_ok=hint != "default-unsplit")
+    ordered = ordered or (hint == "default-unsplit" and chunks > 1)
     if not _megatron_accepts(pp, microbatches, chunks) and (ordered or isinstance(limit, str)):
         with pytest.raises((HintError, BufferLimitError), match="interleaved 1f1b hint needs"):
             simulate(config, topology, microbatches, realization)
@@ -86,7 +89,7 @@ def test_every_policy_completes_respects_dependencies_and_buffer(pp, microbatche
             simulate(config, topology, microbatches, realization)
         return
     result = simulate(config, topology, microbatches, realization, record_trace=True)  # raises on deadlock
-    split = hint in ("bfw", "zbh1", "default")
+    split = hint in ("bfw", "zbh1", "default")  # default-unsplit: never
     expected = set(all_tasks(microbatches, chunks, split_backward=split))
     for order in result.orders:
         assert len(order) == len(expected) and set(order) == expected  # each task exactly once
@@ -365,12 +368,13 @@ def test_default_hint_per_layout():
     """ZB-H1 read readiness-first where the model can split its backward; else BF without
     chunks and Megatron's interleaved order with them."""
     assert default_hint(Topology(8)) == default_hint(Topology(8, 2)) == "zbh1"
-    assert default_hint(Topology(8), split_backward=False) == "bf"
+    assert default_hint(Topology(8), split_backward=False) == "bf"  # no limit given; at 1x see below
     assert default_hint(Topology(8, 2), split_backward=False) == "1f1b"
     unsplit = ArbiterConfig(split_backward_ok=False)
     assert Arbiter(ArbiterConfig(), stage=0, topology=Topology(4), num_microbatches=8).split_backward
     assert Arbiter(unsplit, stage=0, topology=Topology(4, 2), num_microbatches=8).hint.name == "1f1b"
-    assert Arbiter(unsplit, stage=0, topology=Topology(4), num_microbatches=8).hint.name == "bf"
+    one_chunk = Arbiter(unsplit, stage=0, topology=Topology(4), num_microbatches=8).hint
+    assert one_chunk.name == "1f1b" and one_chunk.waits_for_forward
     assert not Arbiter(unsplit, stage=0, topology=Topology(4), num_microbatches=8).split_backward
     assert Arbiter(ArbiterConfig(), stage=0, topology=Topology(4, 2), num_microbatches=8).buffer_limit == 11
 
@@ -574,7 +578,7 @@ def test_default_reads_the_buffer_limit_and_names_losing_interleaved_bf():
 
     assert [chosen(limit) for limit in ("1x", "2x", "4x", 4, 8)] == ["zbh1", "bfw", "bfw", "zbh1", "bfw"]
     assert chosen("1.5x", chunks=3) == "zbh1" and chosen("2x", chunks=3) == "bfw"
-    assert {chosen(limit, split=False) for limit in ("1x", "2x")} == {"bf"}
+    assert [chosen(limit, split=False) for limit in ("1x", "1.25x", "2x", 3)] == ["1f1b", "bf", "bf", "bf"]
     assert chosen("1x", chunks=3, split=False) == "1f1b" and chosen("2x", chunks=3, split=False) == "bf"
     plan = Plan.build(ArbiterConfig(buffer_limit="2x"), Topology(4), 16)
     assert plan.hint.name == "bfw" and plan.arbiter(3).hint.name == "bfw"

@@ -12,9 +12,10 @@ is the full per-stage order, used by strict mode and for display):
 ``"default"`` resolves per layout and buffer limit (``DefaultHint.for_layout``,
 ``default_choice``): near Megatron's memory ``zbh1`` read readiness-first where the model
 can split its backward (at 1x only deferred weight gradients give a stage something to run
-in a bubble), else ``bf`` without chunks and Megatron's own interleaved order (``1f1b``)
-with chunks (under reference jitter at 1x it beats chunk-aware BF: 1.10x vs 0.71x at PP=8,
-C=4, M=32); with room to run ahead ``bfw`` (``BFW_FROM_MEMORY``).
+in a bubble), else Megatron's own order: 1F1B waiting for late forwards without chunks
+(``WAITING_1F1B``), the interleaved order with chunks (under reference jitter at 1x it beats
+chunk-aware BF: 1.10x vs 0.71x at PP=8, C=4, M=32); with room to run ahead ``bfw`` or ``bf``
+(``BFW_FROM_MEMORY``, ``BF_FROM_MEMORY``).
 
 With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
 microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
@@ -61,6 +62,9 @@ class StageState(Protocol):
 
     def order_position(self, task: Task) -> int:
         """Index of ``task`` in the stage's order."""
+
+    def admission_frontier(self) -> int:
+        """Highest microbatch whose forwards the memory rule admits now (arbiter.py)."""
 
 BUILTIN_HINTS = ("default", "bf", "bfw", "1f1b", "zbh1", "gpipe")
 DEFAULT_LOOKAHEAD = "pp"
@@ -163,6 +167,17 @@ moves with depth (9 seeds, every workload of ``sim/grid.py``): at PP = 4 ``bfw``
 multimodal and a straggler (up to 6.8%), ``zbh1`` under MoE and sequence lengths; from PP = 8
 ``zbh1`` leads in 11 of 12 cells (up to 15.5%, MoE EP8), ``bfw`` in none by more than 0.3%.
 ``scripts/sim_default_grid.py`` prints the grid."""
+BF_FROM_MEMORY = 1.25
+WAITING_1F1B = "1f1b, waiting for late forwards"
+"""``default`` without a split backward or chunks: ``bf`` from this multiple, below it
+Megatron's 1F1B order read readiness-first except that a stage waits for the forward its
+order runs next rather than run a ready backward ahead of it (``OrderedHint``'s
+``waits_for_forward``). At 1x a backward run ahead of a late forward delays the forward wave
+by up to a whole backward, which at low jitter costs more than the wait: ``bf`` was 0.94-0.97x
+of strict 1F1B under j1-j2 at PP 8-16 (9 seeds, M = 4 PP), the waiting order 0.995-1.003x,
+and ahead of ``bf`` under j3, MoE and a straggler; ``bf`` keeps up to 6% more under multimodal
+imbalance and sequence lengths (a late forward there is late by more than a backward). From
+1.25x ``bf`` leads (it spends the spare slots running ahead)."""
 BF_INTERLEAVED_FROM_MEMORY = {2: 1.5}
 BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS = 2.0
 """``default`` without a split backward, interleaved: ``bf`` from this multiple (by chunks; 3 or
@@ -181,9 +196,10 @@ class Memory(NamedTuple):
 
 
 def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[Memory]) -> str:
-    """The named hint ``default`` reads for this layout and memory (``DefaultHint``). A
-    threshold t holds from the limit "tx" resolves to (floor(t x peak), budget.py), so "1.5x"
-    of 19 (= 28) reads as 1.5x."""
+    """The named hint ``default`` reads for this layout and memory (``DefaultHint``;
+    ``WAITING_1F1B``: Megatron's 1F1B order that waits for a late forward). A threshold t
+    holds from the limit "tx" resolves to (floor(t x peak), budget.py), so "1.5x" of 19
+    (= 28) reads as 1.5x."""
     def at_least(multiple: float) -> bool:  # no memory given: 1x
         return memory is not None and memory.limit >= max(1, math.floor(multiple * memory.megatron_peak + 1e-9))
 
@@ -192,7 +208,7 @@ def default_choice(topology: Topology, *, split_backward: bool, memory: Optional
         many = BFW_FROM_MEMORY_MANY_CHUNKS if topology.num_stages <= 4 else BFW_FROM_MEMORY_MANY_CHUNKS_DEEP
         return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, many)) else "zbh1"
     if not topology.interleaved:
-        return "bf"
+        return WAITING_1F1B if at_least(1.0) and not at_least(BF_FROM_MEMORY) else "bf"
     if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
         return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
     return "bf" if at_least(BF_INTERLEAVED_FROM_MEMORY.get(chunks, BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS)) \
@@ -207,7 +223,8 @@ class DefaultHint(Hint):
     Megatron's memory — at 1x the W tasks are what a stage can run in a bubble without
     holding another forward (simulator, j3, PP=8, M=32: 1.23x over strict 1F1B where BF gains
     1.005x) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
-    Otherwise BF (the paper's) without chunks, Megatron's own interleaved order with chunks
+    Otherwise, without chunks, Megatron's 1F1B order waiting for late forwards at 1x and BF
+    (the paper's) from 1.25x; Megatron's own interleaved order with chunks
     (``bf`` from 1.5x with 2 chunks, from 2x with 3+). Without jitter it is never slower than the order it
     reads strictly (tests/test_policy.py sweeps it)."""
 
@@ -215,22 +232,33 @@ class DefaultHint(Hint):
 
     def for_layout(self, topology: Topology, *, split_backward: bool = True,
                    memory: Optional[Memory] = None) -> Hint:
-        return make_hint(default_choice(topology, split_backward=split_backward, memory=memory))
+        choice = default_choice(topology, split_backward=split_backward, memory=memory)
+        return OrderedHint("1f1b", waits_for_forward=True) if choice == WAITING_1F1B else make_hint(choice)
 
 
 class OrderedHint(Hint):
     """A per-stage list; readiness-first dispatches the first *ready* entry not yet run among
     the next ``lookahead`` entries ("pp": as many as pipeline stages; None: anywhere in the
     list, the paper's rule; the arbiter widens it by 2 per slot of memory above Megatron's),
-    else the first ready task of the stage's oldest unfinished microbatch, else waits."""
+    else the first ready task of the stage's oldest unfinished microbatch, else waits.
+
+    ``waits_for_forward``: when the next entry is a forward the memory rule admits but whose
+    input has not arrived, wait for it instead of running a ready backward ahead of it (what
+    ``default`` reads for 1F1B without the split at 1x, ``default_choice``). Deadlock-free on
+    Megatron's one-chunk 1F1B order while every stage may hold stage s's Megatron count
+    PP - s: stage s waits for F(j) only after running every B(i < j - PP + s + 1), so a stage
+    above it whose memory refuses F(j) holds F(o..j-1) with j - o >= PP - s and has its
+    oldest backward, B(o), on the way (1x in forwards in flight is stage 0's count; in bytes,
+    mcore/byte_limit.py, the fullest stage's count times its bytes per forward)."""
 
     def __init__(self, name: str, orders: Optional[Sequence[Sequence[Task]]] = None, *,
-                 lookahead: int | str | None = DEFAULT_LOOKAHEAD) -> None:
+                 lookahead: int | str | None = DEFAULT_LOOKAHEAD, waits_for_forward: bool = False) -> None:
         if not (lookahead is None or lookahead == "pp" or (isinstance(lookahead, int) and lookahead >= 1)):
             raise HintError(f"hint {name!r}: lookahead must be an int >= 1, 'pp' (one entry per stage) "
                             f"or None (unbounded), got {lookahead!r}")
         self.name = name
         self.lookahead = lookahead
+        self.waits_for_forward = waits_for_forward
         self._orders = [list(o) for o in orders] if orders is not None else None
         self.split_backward = name == "zbh1" or (bool(self._orders) and any(
             t.kind is Kind.W for order in self._orders for t in order
@@ -238,7 +266,7 @@ class OrderedHint(Hint):
 
     def _identity(self) -> tuple:
         orders = None if self._orders is None else tuple(tuple(o) for o in self._orders)
-        return (type(self).__name__, self.name, orders, self.lookahead)
+        return (type(self).__name__, self.name, orders, self.lookahead, self.waits_for_forward)
 
     def orders(self, topology: Topology, num_microbatches: int) -> list[list[Task]]:
         if self._orders is not None:
@@ -278,6 +306,9 @@ class OrderedHint(Hint):
                 break
             if task in allowed:
                 return task
+            if (seen == 0 and self.waits_for_forward and task.kind is Kind.F
+                    and task.microbatch <= arbiter.admission_frontier()):
+                return None  # the order's next forward is admitted but has not arrived: wait for it
         # nothing in the window: only the oldest microbatch may fill the wait (progress
         # guarantee), earliest-listed first
         oldest = [t for t in allowed if t.microbatch == arbiter.oldest_unfinished]
