@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_rrfp.policy.hints import make_hint
+from megatron_rrfp.policy.hint_specs import make_hint
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.sim import REFERENCE_J3, Variability, median, policy, sample_realization, simulate
 

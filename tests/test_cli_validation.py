@@ -226,7 +226,8 @@ def _csv_hint_payloads() -> st.SearchStrategy[bytes]:
 
 
 def _csv_malformed(text: str) -> bool:
-    from megatron_rrfp.policy.hints import HintError, load_pipelining_csv
+    from megatron_rrfp.policy.hint_specs import load_pipelining_csv
+    from megatron_rrfp.policy.hints import HintError
     from megatron_rrfp.policy.plan import Plan
 
     path = os.path.join(_scratch(), "probe.csv")

@@ -14,7 +14,8 @@ from megatron_rrfp.policy.actions import Kind, Task, all_tasks, format_order, pa
 from megatron_rrfp.policy.actions import peak_in_flight as order_peak_in_flight
 from megatron_rrfp.policy.arbiter import Arbiter, ArbiterConfig
 from megatron_rrfp.policy.budget import BufferLimitError, megatron_peak_in_flight, resolve_buffer_limit
-from megatron_rrfp.policy.hints import HintError, OrderedHint, make_hint, megatron_1f1b_order, zbh1_order
+from megatron_rrfp.policy.hint_specs import make_hint
+from megatron_rrfp.policy.hints import HintError, OrderedHint, megatron_1f1b_order, zbh1_order
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.sim import REFERENCE_J3, Variability, lower_bound, median, policy, sample_realization, simulate
 
@@ -277,7 +278,7 @@ def test_strict_list_that_cannot_complete_is_refused_when_planned():
 
 def test_torch_pipelining_csv_hint_round_trip(tmp_path):
     # an interleaved 1F1B-like CSV for PP=2, 2 chunks (stages 0..3 in loop placement), with comm actions
-    from megatron_rrfp.policy.hints import load_pipelining_csv
+    from megatron_rrfp.policy.hint_specs import load_pipelining_csv
 
     topology, m = Topology(2, 2), 2
     rows = []

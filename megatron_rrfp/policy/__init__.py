@@ -5,7 +5,8 @@ executor (``runtime/``) drive the very same decisions.
 """
 from .actions import Kind, Task
 from .arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT, Arbiter, ArbiterConfig
-from .hints import BUILTIN_HINTS, Hint, HintError, make_hint
+from .hint_specs import make_hint
+from .hints import BUILTIN_HINTS, Hint, HintError
 from .plan import Plan
 from .topology import Topology
 

@@ -52,7 +52,8 @@ from typing import Optional
 
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
-from .hints import Hint, Memory, OrderedHint, make_hint, validate_order
+from .hint_specs import make_hint
+from .hints import Hint, Memory, OrderedHint, validate_order
 from .membytes import UNIT, ByteBudget
 from .topology import Topology
 
