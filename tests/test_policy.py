@@ -585,3 +585,39 @@ def test_default_reads_the_buffer_limit_and_names_losing_interleaved_bf():
     assert plan.hint.name == "bfw" and plan.arbiter(3).hint.name == "bfw"
     with pytest.warns(RuntimeWarning, match=r"hint 'bfw' with 3 chunks at 1x .* 'default'"):
         Plan.build(ArbiterConfig(hint="bfw", buffer_limit="1x"), Topology(5, 3), 10)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(2, 9), microbatches=st.integers(1, 20), limit=st.sampled_from(["1x", "1.2x"]),
+       bytes_seed=st.integers(0, 2**16), sigma_msg=st.floats(0, 2.0), seed=st.integers(0, 2**16))
+def test_unsplit_default_waits_for_late_forwards_without_deadlock_under_byte_budgets(pp, microbatches, limit,
+                                                                                   bytes_seed, sigma_msg, seed):
+    """Issue 27: without the split, one chunk, 1x, the default waits for the forward its 1F1B order
+    runs next. That is deadlock-free only while every stage above can hold the next stage's
+    Megatron count; byte budgets measured tighter than that (a forward's peak well above what it
+    holds) drop the wait on the stages below (arbiter.py), and the run completes either way."""
+    import random
+
+    from megatron_rrfp.policy.membytes import StageBytes, calibrated_budgets, first_call_budgets
+
+    topology = Topology(pp)
+    rng = random.Random(bytes_seed)
+    weights = [rng.uniform(0.5, 2.0) for _ in range(pp)]
+    stages = [StageBytes(forward=w, forward_peak=w * rng.uniform(1.0, 2.0), pending=0.7 * w, split_peak=w)
+              for w in weights]
+    realization = sample_realization(Variability(sigma_compute=0.5, c50=1.0, sigma_msg=sigma_msg), topology,
+                                     microbatches, seed)
+    chosen = None
+    for budgets in (None, first_call_budgets(topology, microbatches),
+                    calibrated_budgets(stages, topology, microbatches)):
+        config = ArbiterConfig(buffer_limit=limit, split_backward_ok=False, memory_bytes=budgets)
+        waits = [getattr(Arbiter(config, stage=s, topology=topology, num_microbatches=microbatches).hint,
+                         "waits_for_forward", False) for s in range(pp)]
+        chosen = waits[0] if chosen is None else chosen
+        assert waits[0] == chosen and waits == sorted(waits, reverse=True)  # dropped from a stage down
+        if budgets is None or budgets[0].stage.forward_peak == budgets[0].stage.forward:  # units: Megatron's counts
+            assert waits == [chosen] * pp
+        simulate(config, topology, microbatches, realization)  # raises on deadlock
+    peak, resolved = megatron_peak_in_flight(topology, microbatches), resolve_buffer_limit(limit, topology,
+                                                                                       microbatches)
+    assert chosen == (peak <= resolved < max(peak + 1, int(1.25 * peak)))  # bf from 1.25x (hints.BF_FROM_MEMORY)

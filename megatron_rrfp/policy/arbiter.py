@@ -54,7 +54,7 @@ from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
 from .hint_specs import make_hint
 from .hints import Hint, Memory, OrderedHint, validate_order
-from .membytes import UNIT, ByteBudget
+from .membytes import UNIT, ByteBudget, megatron_counts
 from .topology import Topology
 
 DEFAULT_HINT = "default"
@@ -133,6 +133,11 @@ class Arbiter:
         self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
         self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok,
                                                   memory=memory_of(self.buffer_limit, topology, num_microbatches))
+        if getattr(self.hint, "waits_for_forward", False) and not self._stages_above_hold(
+                config.memory_bytes, stage, topology, num_microbatches):
+            # the wait is deadlock-free only while every stage above can hold the next one's Megatron
+            # count (OrderedHint); byte budgets measured tighter than that get the plain readiness-first order
+            self.hint = OrderedHint(self.hint.name, lookahead=self.hint.lookahead)
         self.stage = stage
         self.topology = topology
         self.num_microbatches = num_microbatches
@@ -311,6 +316,18 @@ class Arbiter:
         except ValueError:  # a layout Megatron's interleaved schedule refuses: the hint's own peak
             reference = peak_in_flight(self._order)
         return base + 2 * max(0, self.buffer_limit - reference)
+
+    @staticmethod
+    def _stages_above_hold(budgets: Optional[tuple[ByteBudget, ...]], stage: int, topology: Topology,
+                           num_microbatches: int) -> bool:
+        """Whether every stage u above ``stage`` can hold, in bytes, stage u + 1's Megatron count
+        of unsplit forwards (u runs its n-th while n - 1 forwards and one forward's peak fit its
+        budget). In forwards in flight it can: the limit is at least 1x, stage 0's count."""
+        if stage == 0 or budgets is None or len(budgets) != topology.num_stages:
+            return True
+        counts = megatron_counts(topology, num_microbatches)
+        return all(above.stage.forward <= 0 or (counts[u + 1] - 1) * above.stage.forward + above.stage.forward_peak
+                   <= above.admit * _TOLERANCE for u, above in enumerate(budgets[:stage]))
 
     def _stage_bytes(self, budgets: Optional[tuple[ByteBudget, ...]]) -> Optional[ByteBudget]:
         if budgets is None or self.forward_only or self.config.strict:

@@ -174,7 +174,9 @@ by up to a whole backward, which at low jitter costs more than the wait: ``bf`` 
 of strict 1F1B under j1-j2 at PP 8-16 (9 seeds, M = 4 PP), the waiting order 0.995-1.003x,
 and ahead of ``bf`` under j3, MoE and a straggler; ``bf`` keeps up to 6% more under multimodal
 imbalance and sequence lengths (a late forward there is late by more than a backward). From
-1.25x ``bf`` leads (it spends the spare slots running ahead)."""
+1.25x ``bf`` leads (it spends the spare slots running ahead); at PP 2-3 1.25x rounds down to 1x,
+which still waits. One slot above 1x ``bf`` is still 0.96-0.99x of strict 1F1B under j1-j2 (PP 8-16),
+the wait 1.01-1.02x. Byte budgets tighter than Megatron's counts drop the wait (arbiter.py)."""
 BF_INTERLEAVED_FROM_MEMORY = {2: 1.5}
 BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS = 2.0
 """``default`` without a split backward, interleaved: ``bf`` from this multiple (by chunks; 3 or
@@ -205,7 +207,8 @@ def default_choice(topology: Topology, *, split_backward: bool, memory: Optional
         many = BFW_FROM_MEMORY_MANY_CHUNKS if topology.num_stages <= 4 else BFW_FROM_MEMORY_MANY_CHUNKS_DEEP
         return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, many)) else "zbh1"
     if not topology.interleaved:
-        return WAITING_1F1B if at_least(1.0) and not at_least(BF_FROM_MEMORY) else "bf"
+        at_peak = memory is not None and memory.limit == memory.megatron_peak  # 1.25x of 2-3 is 1x
+        return WAITING_1F1B if at_peak or (at_least(1.0) and not at_least(BF_FROM_MEMORY)) else "bf"
     if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
         return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
     return "bf" if at_least(BF_INTERLEAVED_FROM_MEMORY.get(chunks, BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS)) \
