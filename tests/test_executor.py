@@ -13,6 +13,7 @@ import pytest
 from helpers.equivalence import Case, run_cases
 from helpers.failures import api_contract, stress, unresponsive_peer
 from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
+from megatron_rrfp.policy.hints import OrderedHint
 
 TOL = 1e-5
 
@@ -57,8 +58,12 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
 
 @pytest.mark.timeout(400)
 def test_pp4_gpt_and_mlp():
+    # the third: what the default reads without the split at 1x (1F1B waiting for a late forward, issue 27)
+    waiting = OrderedHint("1f1b", waits_for_forward=True)
     results = launch(run_cases, world_size=4, timeout=360, args=([Case(model="gpt", iterations=2),
-                                                                  Case(model="mlp", iterations=2)],))
+                                                                  Case(model="mlp", iterations=2),
+                                                                  Case(model="mlp", iterations=2, hint=waiting,
+                                                                       buffer_limit="1x")],))
     _check(results)
 
 

@@ -30,7 +30,8 @@ class Case:
     num_microbatches: int = 8
     iterations: int = 1
     forward_only: bool = False
-    hint: str = "bf"
+    hint: object = "bf"
+    """A hint name or a Hint (policy.hints)."""
     strict: bool = False
     buffer_limit: int | str = 32
     max_task_delay_s: float = 0.01
