@@ -274,7 +274,8 @@ class Arbiter:
         """State for diagnostics (hang dumps, TP disagreement reports)."""
         return {
             "stage": self.stage,
-            "hint": self.hint.name,
+            "hint": self.hint.name + (" (waits for late forwards)" if getattr(self.hint, "waits_for_forward", False)
+                                      else ""),
             "strict": self.config.strict,
             "dispatched": len(self.dispatched),
             "total": len(self.tasks),
