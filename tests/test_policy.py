@@ -613,8 +613,8 @@ def test_unsplit_default_waits_for_late_forwards_without_deadlock_under_byte_bud
     for budgets in (None, first_call_budgets(topology, microbatches),
                     calibrated_budgets(stages, topology, microbatches)):
         config = ArbiterConfig(buffer_limit=limit, split_backward_ok=False, memory_bytes=budgets)
-        waits = [getattr(Arbiter(config, stage=s, topology=topology, num_microbatches=microbatches).hint,
-                         "waits_for_forward", False) for s in range(pp)]
+        waits = [Arbiter(config, stage=s, topology=topology, num_microbatches=microbatches).hint.waits_for_forward
+                 for s in range(pp)]
         chosen = waits[0] if chosen is None else chosen
         assert waits[0] == chosen and waits == sorted(waits, reverse=True)  # dropped from a stage down
         if budgets is None or budgets[0].stage.forward_peak == budgets[0].stage.forward:  # units: Megatron's counts

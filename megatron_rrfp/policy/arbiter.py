@@ -133,7 +133,7 @@ class Arbiter:
         self.buffer_limit = resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
         self.hint = config.parsed_hint.for_layout(topology, split_backward=config.split_backward_ok,
                                                   memory=memory_of(self.buffer_limit, topology, num_microbatches))
-        if getattr(self.hint, "waits_for_forward", False) and not self._stages_above_hold(
+        if self.hint.waits_for_forward and not self._stages_above_hold(
                 config.memory_bytes, stage, topology, num_microbatches):
             # the wait is deadlock-free only while every stage above can hold the next one's Megatron
             # count (OrderedHint); byte budgets measured tighter than that get the plain readiness-first order
@@ -274,8 +274,7 @@ class Arbiter:
         """State for diagnostics (hang dumps, TP disagreement reports)."""
         return {
             "stage": self.stage,
-            "hint": self.hint.name + (" (waits for late forwards)" if getattr(self.hint, "waits_for_forward", False)
-                                      else ""),
+            "hint": self.hint.name + (" (waits for late forwards)" if self.hint.waits_for_forward else ""),
             "strict": self.config.strict,
             "dispatched": len(self.dispatched),
             "total": len(self.tasks),

@@ -90,6 +90,8 @@ class Hint:
 
     name: str = "hint"
     split_backward: bool = False
+    waits_for_forward: bool = False
+    """Waits for the forward its order runs next rather than run a ready backward (OrderedHint)."""
 
     def orders(self, topology: Topology, num_microbatches: int) -> Optional[list[list[Task]]]:
         """One order per stage, or None for a rule hint (its fixed-order form is
