@@ -67,6 +67,16 @@ def test_pp4_gpt_and_mlp():
     _check(results)
 
 
+@pytest.mark.timeout(300)
+def test_tp2_pp3_tp_ranks_agree_while_the_unsplit_default_waits_for_a_late_forward():
+    # a stage that waits with a backward ready (issue 27) must still make the same choice on both TP
+    # ranks when one of them sees every message late, on both transports; the order may equal 1F1B's
+    waiting = OrderedHint("1f1b", waits_for_forward=True)
+    cases = [Case(model="mlp", iterations=2, hint=waiting, buffer_limit="1x", late_rank=2),
+             Case(model="mlp", iterations=2, hint=waiting, buffer_limit="1x", late_rank=3, transport="rounds")]
+    _check(launch(run_cases, world_size=6, tp=2, pp=3, timeout=240, args=(cases,)), expect_reordering=False)
+
+
 @pytest.mark.timeout(400)
 def test_tp2_pp2_with_one_tp_rank_seeing_messages_late():
     cases = [Case(model="gpt", iterations=2, late_rank=2), Case(model="mlp", iterations=2, late_rank=1),
