@@ -362,10 +362,6 @@ def _blocker(index: int, name: str, module, reason: str) -> str:
     return f"model[{index}].{name} ({type(module).__name__}): {reason}"
 
 
-
-
-
-
 def _note_ddps(models) -> None:
     """Remember which megatron DDP owns each parameter (W and the refusals need it)."""
     from megatron.core.distributed import DistributedDataParallel
