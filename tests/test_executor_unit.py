@@ -106,6 +106,31 @@ def test_stall_diagnosis_names_the_state_and_the_peers():
     assert "dispatched: 0F0,0F1" in message and "peers (stage -> rank): {0: 0, 1: 1}" in message
 
 
+@pytest.mark.parametrize("fails_in", ["send", "flush"])
+def test_a_peer_gone_while_sending_or_flushing_fails_with_the_stall_diagnosis(fails_in):
+    """A transport that finds its peer gone raises TransportError from a send (inside a task),
+    an issued round or the final flush; the iteration turns it into the same diagnosis as
+    one found while waiting (a race a dying peer wins on a fast host)."""
+    from megatron_rrfp.runtime.transport import TransportError
+
+    network = LoopbackNetwork([0, 1])
+    first = iteration(network, stage=0, topology=Topology(2), m=2, timeout_s=5.0)
+
+    def gone(*_args):
+        raise TransportError("rank 0: send to rank 1 failed while processing (header not yet received)")
+
+    setattr(first.transport, fails_in, gone)
+    if fails_in == "flush":  # let every task run: the peer answers, then is gone at the flush
+        for mb in range(2):
+            network.deliver(0, "gradient", mb, 0, src=1)
+    with pytest.raises(PipelineStallError) as info:
+        first.run()
+    message = str(info.value)
+    assert "rank 0 (pipeline stage 0): transport failed: rank 0: send to rank 1 failed" in message
+    assert "dispatched:" in message and "peers (stage -> rank): {0: 0, 1: 1}" in message
+    assert isinstance(info.value.__cause__, TransportError)
+
+
 @pytest.mark.parametrize("kind,mb,chunk,src,expected", [
     ("activation", 7, 0, 0, "unexpected activation for microbatch 7, chunk 0 from rank 0: this iteration has "
                             "microbatches 0..2"),

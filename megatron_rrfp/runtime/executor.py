@@ -39,6 +39,7 @@ from .inbox import Inbox
 from .memory import ActivationMeter, TaskBytes
 from .profiling import TaskClock
 from .report import BREAKDOWN_FIELDS, IterationReport
+from .transport import TransportError
 
 
 class PipelineStallError(RuntimeError):
@@ -122,13 +123,16 @@ class PipelineIteration:
             self.ready.update(Task(Kind.F, mb, 0) for mb in range(m))
         self._initial = set(self.ready)
         try:
-            while (task := self._next_task()) is not None:
-                self._dispatch(task)
-        finally:
-            if self.agreement is not None:
-                self.agreement.close()
-        start = time.time()
-        self.transport.flush(self.timeout_s)
+            try:
+                while (task := self._next_task()) is not None:
+                    self._dispatch(task)
+            finally:
+                if self.agreement is not None:
+                    self.agreement.close()
+            start = time.time()
+            self.transport.flush(self.timeout_s)
+        except TransportError as exc:  # a send, an issued round or the flush found the peer gone
+            raise PipelineStallError(self._diagnosis(f"transport failed: {exc}")) from exc
         self.report.flush_s = time.time() - start
         self.clock.resolve(self._t0)
         self.report.wall_s = time.time() - self._t0
