@@ -39,7 +39,8 @@ SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt_rrfp.sbatch"
 MULTIMODAL_SBATCH = REPO / "scripts" / "slurm" / "pretrain_multimodal_rrfp.sbatch"
 START_TIMEOUT_S = 420  # includes apt-get update + install on a fresh machine
 PHASE_TIMEOUT_S = 180  # one run of the job: start-up (python, torch, megatron-core) and a few iterations
-TRAIN_ITERS, SAVE_INTERVAL = 40, 4
+TRAIN_ITERS, SAVE_INTERVAL = 80, 4  # after SIGTERM a rank trains on for its 2 s grace (train/signals.py): with 40
+# a fast host (~15 iterations/s) finished the run inside it, a clean end rather than the disruption asserted below
 JOB_NAME = "rrfp-ci-requeue"
 
 
