@@ -53,6 +53,8 @@ class StageState(Protocol):
     """An ordered hint's window on this stage, in order entries (None: unbounded)."""
     oldest_unfinished: int
     """Lowest microbatch with work left on the stage."""
+    stage: int
+    """This stage's index in the pipeline."""
 
     def remaining_order(self) -> Iterator[Task]:
         """The stage's order, minus what already ran (ordered hints)."""
@@ -166,6 +168,18 @@ moves with depth (9 seeds, every workload of ``sim/grid.py``): at PP = 4 ``bfw``
 multimodal and a straggler (up to 6.8%), ``zbh1`` under MoE and sequence lengths; from PP = 8
 ``zbh1`` leads in 11 of 12 cells (up to 15.5%, MoE EP8), ``bfw`` in none by more than 0.3%.
 ``scripts/sim_default_grid.py`` prints the grid."""
+LEAD_ZBH1_FROM_MEMORY = 1.5
+"""Beyond PP = 4 with 3+ chunks and a split backward, from this multiple up to where ``bfw``
+starts, ``default`` reads ``LEAD_ZBH1_THEN_BFW``: stage 0 follows ZB-H1's order, every later
+stage ranks as ``bfw``. There the better named hint depends on the workload (``bfw`` under j3,
+multimodal imbalance or a straggler, ``zbh1`` under MoE or sequence lengths); the first stage
+keeping ZB-H1's warm-up while the others run ahead is ahead of both in 13 of 20 cells at 1.5x
+(PP 8, 3-4 chunks, every workload of ``sim/grid.py``, 9 seeds; by up to 4.9%), ties them in 6
+(j0-j2) and is behind the better one by more than 1% only under multimodal imbalance with 3
+chunks (6.5%, where ``zbh1`` was 6.0% behind); PP 16, 5 seeds: within 1% or ahead (by up to
+6.6%) but multimodal (3.1%) and MoE EP4 (2.0%) with 3 chunks. At PP 2-4 it trails ``bfw`` by up
+to 6% (multimodal, j3), so there the rule above stands."""
+LEAD_ZBH1_THEN_BFW = "zbh1 on stage 0, bfw after it"
 BF_FROM_MEMORY = 1.25
 WAITING_1F1B = "1f1b, waiting for late forwards"
 """``default`` without a split backward or chunks: ``bf`` from this multiple, below it
@@ -206,8 +220,11 @@ def default_choice(topology: Topology, *, split_backward: bool, memory: Optional
 
     chunks = topology.num_chunks
     if split_backward:
-        many = BFW_FROM_MEMORY_MANY_CHUNKS if topology.num_stages <= 4 else BFW_FROM_MEMORY_MANY_CHUNKS_DEEP
-        return "bfw" if at_least(BFW_FROM_MEMORY.get(chunks, many)) else "zbh1"
+        deep = topology.num_stages > 4
+        many = BFW_FROM_MEMORY_MANY_CHUNKS_DEEP if deep else BFW_FROM_MEMORY_MANY_CHUNKS
+        if at_least(BFW_FROM_MEMORY.get(chunks, many)):
+            return "bfw"
+        return LEAD_ZBH1_THEN_BFW if deep and chunks >= 3 and at_least(LEAD_ZBH1_FROM_MEMORY) else "zbh1"
     if not topology.interleaved:
         at_peak = memory is not None and memory.limit == memory.megatron_peak  # 1.25x of 2-3 is 1x
         return WAITING_1F1B if at_peak or (at_least(1.0) and not at_least(BF_FROM_MEMORY)) else "bf"
@@ -235,6 +252,8 @@ class DefaultHint(Hint):
     def for_layout(self, topology: Topology, *, split_backward: bool = True,
                    memory: Optional[Memory] = None) -> Hint:
         choice = default_choice(topology, split_backward=split_backward, memory=memory)
+        if choice == LEAD_ZBH1_THEN_BFW:
+            return LeadStageOrderedHint()
         if choice in ("bf", "bfw"):
             return DirectionalHint(with_weight_tasks=choice == "bfw")
         return OrderedHint("1f1b", waits_for_forward=True) if choice == WAITING_1F1B else OrderedHint(choice)
@@ -317,6 +336,27 @@ class OrderedHint(Hint):
         # guarantee), earliest-listed first
         oldest = [t for t in allowed if t.microbatch == arbiter.oldest_unfinished]
         return min(oldest, key=arbiter.order_position, default=None)
+
+
+class LeadStageOrderedHint(OrderedHint):
+    """``LEAD_ZBH1_THEN_BFW``: the pipeline's first stage reads ZB-H1's order readiness-first
+    (its window, its fallback), every later stage ranks its ready tasks as ``bfw``. Each stage
+    returns a task whenever one is allowed and ready, so the arbiter's progress argument holds
+    per stage as for either hint alone."""
+
+    def __init__(self) -> None:
+        super().__init__("zbh1")
+        self.name = LEAD_ZBH1_THEN_BFW
+        self.split_backward = True
+        self._later_stages = DirectionalHint(with_weight_tasks=True)
+
+    def orders(self, topology: Topology, num_microbatches: int) -> list[list[Task]]:
+        return [zbh1_order(s, topology, num_microbatches) for s in range(topology.num_stages)]
+
+    def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
+        if arbiter.stage > 0:
+            return self._later_stages.pick(allowed, arbiter)
+        return super().pick(allowed, arbiter)
 
 
 def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
