@@ -8,7 +8,7 @@ import re
 from typing import Optional
 
 from .actions import Kind, Task
-from .hints import BUILTIN_HINTS, DefaultHint, DirectionalHint, Hint, HintError, OrderedHint
+from .hints import BUILTIN_HINTS, Hint, HintError, OrderedHint, builtin_hint
 
 MAX_HINT_FILE_BYTES = 64 * 2**20
 """A hint file is a list of task names; anything larger is not one."""
@@ -113,14 +113,8 @@ def load_pipelining_csv(path: str, num_stages: Optional[int] = None) -> OrderedH
 def make_hint(spec: str | Hint) -> Hint:
     if isinstance(spec, Hint):
         return spec
-    if spec == "default":
-        return DefaultHint()
-    if spec == "bf":
-        return DirectionalHint(with_weight_tasks=False)
-    if spec == "bfw":
-        return DirectionalHint(with_weight_tasks=True)
-    if spec in ("1f1b", "zbh1", "gpipe"):
-        return OrderedHint(spec)
+    if spec in BUILTIN_HINTS:
+        return builtin_hint(spec)
     if isinstance(spec, str) and os.path.isfile(spec):
         return load_pipelining_csv(spec) if spec.lower().endswith(".csv") else load_hint_file(spec)
     if isinstance(spec, str) and (os.sep in spec or spec.lower().endswith((".json", ".csv")) or os.path.exists(spec)):

@@ -254,9 +254,7 @@ class DefaultHint(Hint):
         choice = default_choice(topology, split_backward=split_backward, memory=memory)
         if choice == LEAD_ZBH1_THEN_BFW:
             return LeadStageOrderedHint()
-        if choice in ("bf", "bfw"):
-            return DirectionalHint(with_weight_tasks=choice == "bfw")
-        return OrderedHint("1f1b", waits_for_forward=True) if choice == WAITING_1F1B else OrderedHint(choice)
+        return OrderedHint("1f1b", waits_for_forward=True) if choice == WAITING_1F1B else builtin_hint(choice)
 
 
 class OrderedHint(Hint):
@@ -345,9 +343,8 @@ class LeadStageOrderedHint(OrderedHint):
     per stage as for either hint alone."""
 
     def __init__(self) -> None:
-        super().__init__("zbh1")
+        super().__init__("zbh1")  # ZB-H1's split backward and window
         self.name = LEAD_ZBH1_THEN_BFW
-        self.split_backward = True
         self._later_stages = DirectionalHint(with_weight_tasks=True)
 
     def orders(self, topology: Topology, num_microbatches: int) -> list[list[Task]]:
@@ -357,6 +354,15 @@ class LeadStageOrderedHint(OrderedHint):
         if arbiter.stage > 0:
             return self._later_stages.pick(allowed, arbiter)
         return super().pick(allowed, arbiter)
+
+
+def builtin_hint(name: str) -> Hint:
+    """The built-in hint of this name (one of ``BUILTIN_HINTS``; ``default`` resolves per layout)."""
+    if name == "default":
+        return DefaultHint()
+    if name in ("bf", "bfw"):
+        return DirectionalHint(with_weight_tasks=name == "bfw")
+    return OrderedHint(name)
 
 
 def megatron_1f1b_order(stage: int, topology: Topology, num_microbatches: int,
