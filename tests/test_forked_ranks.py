@@ -26,9 +26,9 @@ LAUNCHER = ("import sys; sys.path.insert(0, {tests!r})\n"
             " preload=('torch.distributed',)))\n")
 
 
-def start(action: str) -> subprocess.Popen:
+def start(action: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(tests=TESTS, action=action)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, list[dict], str]:
@@ -85,3 +85,25 @@ def test_a_signal_to_the_launcher_reaches_every_rank_and_sets_the_exit_status():
     code, _, err = finish(proc, timeout=30)
     assert code == 128 + signal.SIGTERM, err
     assert not any(alive(pid) for pid in lines[0]["pids"])
+
+
+@pytest.mark.timeout(90)
+def test_lines_from_ranks_writing_at_once_stay_whole_under_unbuffered_python():
+    """The ranks share the launcher's stdout; with PYTHONUNBUFFERED (python -u, common in batch
+    scripts) print() writes a line's text and its newline separately, and a line from another
+    rank could land in between (an iteration line of train joined to rank 0's buffer-limit line
+    failed a CI run's log parsing). print_line writes each line whole."""
+    proc = start("lines", env={"PYTHONUNBUFFERED": "1"})
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    written = [line for line in out.splitlines() if not line.startswith("{")]
+    broken = [line for line in written if not re.fullmatch(r"rank [012] line \d+ x{300}", line)]
+    assert not broken, broken[:3]
+    per_rank = {rank: [int(line.split()[3]) for line in written if line.startswith(f"rank {rank} ")]
+                for rank in range(3)}
+    assert all(lines == list(range(3000)) for lines in per_rank.values()), {r: len(v) for r, v in per_rank.items()}

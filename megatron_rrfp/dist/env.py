@@ -15,8 +15,20 @@ import datetime
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, TextIO
+
+
+def print_line(text: str, file: Optional[TextIO] = None) -> None:
+    """``print(text, flush=True)`` in one write. Every rank shares the launcher's stdout and
+    stderr; with ``PYTHONUNBUFFERED`` / ``python -u`` print writes the text and its newline
+    separately, and another rank's line landing in between breaks both lines for whoever
+    reads them (a log parser, Megatron-LM's own tools). A pipe write up to 4 KiB is atomic."""
+    stream = sys.stdout if file is None else file
+    stream.write(text + "\n")
+    stream.flush()
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DistEnv:

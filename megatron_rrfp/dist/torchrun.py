@@ -19,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from .env import print_line
+
 MONITOR_INTERVAL_S = 0.1  # how often the agent checks its workers (torchrun's default)
 
 
@@ -76,7 +78,7 @@ def describe_exit(returncode: int) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
+    print_line(f"megatron-rrfp: {message}", file=sys.stderr)
 
 
 __all__ = ["describe_exit", "exit_status", "report_failures", "run_module"]

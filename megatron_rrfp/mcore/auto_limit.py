@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..dist.env import print_line
 from ..policy.arbiter import ArbiterConfig
 from ..policy.budget import AUTO_MARGIN, fit_to_budget, is_auto, megatron_peak_in_flight, starting_limit
 from ..policy.topology import Topology
@@ -95,11 +96,11 @@ def _resolve(state: _Auto, options: RRFPConfig, *, topology: Topology, num_micro
     dist.all_gather(everyone, mine.to(device), group=pp_group)
     state.limits = [int(t.item()) for t in everyone]
     if dist.get_rank() == 0:
-        print(f"megatron-rrfp: buffer limit auto ({options.arbiter.parsed_hint.name}, PP={topology.num_stages}"
-              + (f", chunks={topology.num_chunks}" if topology.interleaved else "") + f", M={num_microbatches}): "
-              f"per stage {state.limits} (1x = {one_x} forwards in flight); stage {stage} measured "
-              f"{state.bytes_per_forward / 2**20:.2f} MiB per forward at 1x, budget {budget / 2**20:.0f} MiB "
-              f"x {AUTO_MARGIN:g}", flush=True)
+        print_line(f"megatron-rrfp: buffer limit auto ({options.arbiter.parsed_hint.name}, PP={topology.num_stages}"
+                   + (f", chunks={topology.num_chunks}" if topology.interleaved else "") + f", M={num_microbatches}): "
+                   f"per stage {state.limits} (1x = {one_x} forwards in flight); stage {stage} measured "
+                   f"{state.bytes_per_forward / 2**20:.2f} MiB per forward at 1x, budget {budget / 2**20:.0f} MiB "
+                   f"x {AUTO_MARGIN:g}")
 
 
 def free_memory_bytes(device: torch.device) -> float:

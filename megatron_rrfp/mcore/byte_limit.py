@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..dist.env import print_line
 from ..policy.arbiter import ArbiterConfig
 from ..policy.membytes import ByteBudget, StageBytes, calibrated_budgets, first_call_budgets, megatron_peak_bytes
 from ..policy.topology import Topology
@@ -103,11 +104,11 @@ def _agree(mine: StageBytes, *, topology: Topology, num_microbatches: int, stage
     stages = [StageBytes(*(float(v) for v in t.tolist())) for t in everyone]
     budgets = calibrated_budgets(stages, topology, num_microbatches)
     if dist.get_rank() == 0:
-        print(f"megatron-rrfp: buffer limit 1x in bytes (PP={topology.num_stages}, M={num_microbatches}): Megatron "
-              f"1F1B's peak {megatron_peak_bytes(stages, topology, num_microbatches) / 2**20:.3f} MiB (max over "
-              f"stages) on every stage; per stage MiB per forward / per pending W / split-B peak: "
-              + ", ".join(f"{s.forward / 2**20:.3f}/{s.pending / 2**20:.3f}/{s.split_peak / 2**20:.3f}"
-                          for s in stages), flush=True)
+        print_line(f"megatron-rrfp: buffer limit 1x in bytes (PP={topology.num_stages}, M={num_microbatches}): "
+                   f"Megatron 1F1B's peak {megatron_peak_bytes(stages, topology, num_microbatches) / 2**20:.3f} MiB "
+                   f"(max over stages) on every stage; per stage MiB per forward / per pending W / split-B peak: "
+                   + ", ".join(f"{s.forward / 2**20:.3f}/{s.pending / 2**20:.3f}/{s.split_peak / 2**20:.3f}"
+                               for s in stages))
     return budgets
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..dist.env import print_line
 from ..policy.budget import LimitSpec
 from ..policy.plan import Plan
 from ..policy.topology import Topology
@@ -204,7 +205,7 @@ def _say_dp_mode_once(mode: str, choice: str, models, data_parallel_size: int) -
     if mode in (LOCKSTEP, AFTER_LOOP) and id(models[0]) not in _DP_MODE_SAID:
         _DP_MODE_SAID.add(id(models[0]))
         if dist.get_rank() == 0:
-            print(describe(mode, choice, models, data_parallel_size), flush=True)
+            print_line(describe(mode, choice, models, data_parallel_size))
 
 
 def _all_true(value: bool, group, device) -> bool:

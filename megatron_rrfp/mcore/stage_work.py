@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..dist.env import print_line
 from ..policy.actions import Task
 from ..policy.topology import Topology
 from . import compat
@@ -172,8 +173,7 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
             more = f" (+{len(blockers) - 1} more)" if len(blockers) > 1 else ""
             cause = ("with this megatron-core release" if blockers[0] == wgrad.split_self_check()
                      else "for this model")  # the release's own linear failed the self-check, or this model's layers
-            print(f"megatron-rrfp: the default policy runs without the B/W split {cause}: {blockers[0]}{more}",
-                  flush=True)
+            print_line(f"megatron-rrfp: the default policy runs without the B/W split {cause}: {blockers[0]}{more}")
         _SPLIT_BLOCKERS[models[0]] = not all_stages(not blockers)
     if not _SPLIT_BLOCKERS[models[0]]:
         return options

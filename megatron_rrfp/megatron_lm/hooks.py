@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from ..dist.env import print_line
 from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
 from ..trace.merge import write_merged_trace
 from . import hookpoints
@@ -162,7 +163,7 @@ class _Run:
         if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
             line = peak_memory_line(report, iteration, world=self.world)  # collective: every rank, same steps
             if line:
-                print(line, flush=True)
+                print_line(line)
             if self.traces is not None:
                 self.traces.write(iteration, report)
 

@@ -40,6 +40,7 @@ import os
 import sys
 from typing import Optional
 
+from ..dist.env import print_line
 from ..mcore import compat
 from ..mcore.config import RRFPConfig, defaults, set_defaults
 from . import hookpoints
@@ -155,14 +156,14 @@ def _apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         config = validate_rrfp_arguments(args, notes=notes)
         if os.environ.get("RANK", "0") == "0":  # after every check passed: a refusal stays one line
             for note in notes:
-                print(note, file=sys.stderr, flush=True)
+                print_line(note, file=sys.stderr)
         if config is not None:
             _select_rrfp(config)
             _record_training_loop(HookOptions.from_args(args))
         else:
             if routed() and _state.code_schedule == "rrfp":
-                print("megatron-rrfp: warning: --pipeline-schedule 1f1b (the command line) overrides "
-                      "install(schedule='rrfp'); add --pipeline-schedule rrfp to keep rrfp", file=sys.stderr)
+                print_line("megatron-rrfp: warning: --pipeline-schedule 1f1b (the command line) overrides "
+                           "install(schedule='rrfp'); add --pipeline-schedule rrfp to keep rrfp", file=sys.stderr)
             _unroute()
             _record_training_loop(None)
     except ValueError as exc:
@@ -251,5 +252,5 @@ def _announce_once() -> None:
         return
     policy = defaults().arbiter
     strict = ", strict" if policy.strict else ""
-    print(f"megatron-rrfp: pipeline schedule rrfp (hint={policy.parsed_hint.name}, "
-          f"buffer_limit={policy.buffer_limit}{strict})", file=sys.stdout, flush=True)
+    print_line(f"megatron-rrfp: pipeline schedule rrfp (hint={policy.parsed_hint.name}, "
+               f"buffer_limit={policy.buffer_limit}{strict})")

@@ -362,15 +362,15 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
         line = metrics.iteration(iteration=run.iteration, consumed_samples=run.consumed_samples, seconds=seconds,
                                  loss=step.loss, lr=step.lr, grad_norm=step.grad_norm, extra=extra)
         if line is not None:
-            print(line, flush=True)
+            distenv.print_line(line)
             if metrics.timers_report():
-                print(metrics.timers_report(), flush=True)
+                distenv.print_line(metrics.timers_report())
         if traces is not None and trace_due(run.iteration, log_interval=cfg.log_interval,
                                             last_iteration=cfg.train_iters):
             written = traces.write(run.iteration, report(), metadata={"schedule": "rrfp", "hint": cfg.rrfp_hint,
                                                                            "buffer_limit": cfg.rrfp_buffer_limit})
             if written and run.iteration == cfg.train_iters:
-                print(f"trace of the last iteration: {written}", flush=True)
+                distenv.print_line(f"trace of the last iteration: {written}")
         at_end = run.iteration == cfg.train_iters
         signals.raise_if_expired()
         stop = signals.exit_requested() and not at_end  # collective with --exit-signal-handler
@@ -428,10 +428,10 @@ def _ledger_note(cfg: TrainConfig, recorder) -> None:
         return
     path = cfg.rrfp_goodput_ledger
     if writer.healthy and writer.dropped == 0:
-        print(f"goodput ledger: {path}  (report: megatron-rrfp goodput {path})", flush=True)
+        distenv.print_line(f"goodput ledger: {path}  (report: megatron-rrfp goodput {path})")
     else:
-        print(f"goodput ledger {path}: {'not written' if not writer.healthy else f'{writer.dropped} events lost'} "
-              "(see the LedgerWarning above); training was not affected", flush=True)
+        state = "not written" if not writer.healthy else f"{writer.dropped} events lost"
+        distenv.print_line(f"goodput ledger {path}: {state} (see the LedgerWarning above); training was not affected")
 
 
 # --------------------------------------------------------------------------- close
@@ -461,7 +461,7 @@ def _rank() -> int:
 
 def _rank0_print(message: str) -> None:
     if _rank() == 0:
-        print(message, flush=True)
+        distenv.print_line(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -491,7 +491,7 @@ def run_and_report(args: argparse.Namespace) -> int:
 
         return report_error("megatron-rrfp train", exc)
     except JobTerminated as exc:  # recorded in the ledger already; exit as SIGTERM would
-        print(f"megatron-rrfp train: {exc}", file=sys.stderr, flush=True)
+        distenv.print_line(f"megatron-rrfp train: {exc}", file=sys.stderr)
         _exit_now(128 + signal.SIGTERM)
     except Exception:  # noqa: BLE001 - a failed rank: recorded already (train()), reported here
         traceback.print_exc()

@@ -27,6 +27,8 @@ import sys
 import threading
 from typing import Optional
 
+from ..dist.env import print_line
+
 GRACE_S = 2.0
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
@@ -110,7 +112,7 @@ class Signals:
 
 
 def _say(message: str) -> None:
-    print(f"megatron-rrfp: {message}", file=sys.stderr, flush=True)
+    print_line(f"megatron-rrfp: {message}", file=sys.stderr)
 
 
 __all__ = ["EXIT_SIGNALS", "GRACE_S", "JobTerminated", "Signals"]

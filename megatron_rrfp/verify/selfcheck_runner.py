@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..dist.env import print_line
 from .selfcheck_result import Result
 
 PREFIX = "rrfp-selfcheck"
@@ -93,7 +94,7 @@ def run_steps(order: Sequence[str], functions: dict[str, Callable], ctx: dict, *
     def leave(result: Result) -> None:  # the watchdog's exit
         if not leaving.acquire(blocking=False):
             return
-        print(f"[rank {rank}] {result.status:4} {result.step}: {result.detail}", flush=True)
+        print_line(f"[rank {rank}] {result.status:4} {result.step}: {result.detail}")
         finish(collect(store, [*results, result], rank=rank, world=world, timeout_s=step_timeout_s))
         sys.stdout.flush()
         os._exit(1)
@@ -123,7 +124,7 @@ def run_steps(order: Sequence[str], functions: dict[str, Callable], ctx: dict, *
                 watchdog.arm(None)
         results.append(result)
         if rank == 0 or not shared:
-            print(f"[rank {rank}] {result.status:4} {result.step}: {result.detail}", flush=True)
+            print_line(f"[rank {rank}] {result.status:4} {result.step}: {result.detail}")
     with leaving:  # the watchdog no longer leaves for us
         outcome = collect(store, results, rank=rank, world=world, timeout_s=step_timeout_s)
         finish(outcome)
