@@ -28,7 +28,8 @@ LAUNCHER = ("import sys; sys.path.insert(0, {tests!r})\n"
 
 def start(action: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(tests=TESTS, action=action)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, list[dict], str]:

@@ -32,7 +32,8 @@ def format_table(report: dict) -> str:
             limits.append(f"{label} {r['buffer_limit']['per_stage']}")
     lines.append(f"act MB: peak activation memory of the schedule call, max over ranks ({report['activation_measure']}"
                  "); in flight: peak (microbatch, chunk) forwards held, max over ranks; /LB: median time over the "
-                 "lower bound of the emulated device times (sim/bounds.py: no memory limit, no latency)")
+                 "lower bound of the emulated device times (sim/bounds.py: at the run's buffer limit, with its "
+                 "message latency)")
     if limits:
         lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
     if sweep:

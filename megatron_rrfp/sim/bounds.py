@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Optional
 
+import numpy as np
+
+from ..policy.actions import peak_in_flight
 from ..policy.arbiter import ArbiterConfig
 from ..policy.plan import Plan
 from ..policy.topology import Topology
@@ -11,45 +16,110 @@ from .variability import Realization
 
 
 def lower_bound(realization: Realization, topology: Topology, num_microbatches: int,
-                split_backward: bool = False) -> float:
+                split_backward: bool = False, in_flight_caps: Optional[Sequence[int]] = None) -> float:
     """A makespan no schedule can beat on this realisation, in the realisation's unit (f0).
 
-    With F[s][c][j], B[s][c][j] the forward and full-backward times of chunk c of stage s
-    for microbatch j, b = B/2 the input-gradient half when the backward is split (else
-    b = B), and for each stage s:
+    Virtual stage v = c * PP + s is chunk c of stage s; microbatch j crosses v = 0 .. V-1
+    forward and back. With F[v][j], B[v][j] its forward and full-backward times, b = B/2
+    the input-gradient half when the backward is split (else b = B), a[v][j] / g[v][j] the
+    latency of the activation F[v] sends / the gradient B[v] sends (0 when PP = 1):
 
-      head_s    = sum_{i<s} min_j F[i][0][j]         no task of s starts before some
-                                                     chunk-0 forward crossed stages 0..s-1
-      work_s    = sum_{c,j} (F + B)[s][c][j]         s runs all its work, one task at a time
-      crit_s    = sum_{c,j} (F + b)[s][c][j]         ... of which this precedes its last B
-      tail_s(c) = sum_{i<s} min_j b[i][c][j] + sum_{c'<c} sum_i min_j b[i][c'][j]
-                                                     the gradient of a chunk-c B on s still
-                                                     has to cross every lower virtual stage
+      arrive(v, j) = sum_{u<v} (F + a)[u][j]     F[v][j] starts no earlier
+      back(v, j)   = sum_{u<v} (g[u+1] + b[u])[j]  after B[v][j] ends, its gradient still
+                                                 has to cross every lower virtual stage
+      hold(v, j)   = sum_{u>=v} F[u][j] + sum_{v<=u<V-1} a[u][j] + sum_{u>v} (b + g)[u][j]
+                                                 F[v][j] starts to its own B starts: the
+                                                 least time its activations stay in flight
 
-      LB = max_s [ head_s + max(work_s, crit_s + min_c tail_s(c)) ]
+    and for each stage s (its chunk-0 virtual stage is v = s):
 
-    The tail follows the *last B*, not the last task: with a split backward, W may run
-    while the gradient travels upstream. Latency is taken as 0 (it can only add).
+      head_s = min_j arrive(s, j)                no task of s starts earlier
+      work_s = sum_{c,j} (F + B)[s][c][j]        s runs all its work, one task at a time
+      crit_s = sum_{c,j} (F + b)[s][c][j]        ... of which this precedes its last B
+      LB_s   = head_s + max(work_s, crit_s + min_{c,j} back(c PP + s, j))
+      mem_s  = head_s + sum_{c,j} hold(c PP + s, j) / cap_s    (with ``in_flight_caps``)
+
+    mem_s is Little's law on the buffer limit: each (microbatch, chunk) forward holds one of
+    the stage's cap_s slots (its peak forwards in flight: the limit, at least C, for a
+    readiness-first policy; a fixed order's own peak) from its start until its B starts (W
+    releases later, when split), and all of it happens after head_s. Also, per microbatch,
+    its whole round trip: arrive(V-1) + hold(V-1) ... = sum of every F, b and latency on its way.
+
+      LB = max(max_s LB_s, max_s mem_s, max_j round_trip_j)
+
+    Message latencies are charged at their sampled values (a FIFO link can only add).
     """
     pp, chunks = topology.num_stages, topology.num_chunks
-    fwd, bwd = realization.forward, realization.backward_total
+    stages = pp * chunks
     half = 0.5 if split_backward else 1.0
-    min_input_grad = [[half * min(bwd[s][c]) for c in range(chunks)] for s in range(pp)]
-    best = head = 0.0
+
+    def virtual(table) -> np.ndarray:  # [stage][chunk][mb] -> [v][mb]
+        array = np.asarray(table, dtype=float).reshape(pp, chunks, num_microbatches)
+        return array.transpose(1, 0, 2).reshape(stages, num_microbatches)
+
+    forward, backward = virtual(realization.forward), virtual(realization.backward_total)
+    input_grad = half * backward
+    linked = 1.0 if pp > 1 else 0.0  # a rank's message to itself arrives at once
+    sent_forward = linked * virtual(realization.activation_latency)
+    sent_backward = linked * virtual(realization.gradient_latency)
+    zero = np.zeros((1, num_microbatches))
+    # arrive[v]: the forward chain before v; back[v]: the gradient chain below v
+    arrive = np.concatenate([zero, np.cumsum(forward[:-1] + sent_forward[:-1], axis=0)])
+    back = np.concatenate([zero, np.cumsum(input_grad[:-1] + sent_backward[1:], axis=0)])
+    # hold[v] = suffix sums: F from v on, a from v to V-2, b and g above v
+    forward_after = np.cumsum(forward[::-1], axis=0)[::-1]
+    latency_after = np.concatenate([np.cumsum(sent_forward[:-1][::-1], axis=0)[::-1], zero])
+    returns_above = np.concatenate([np.cumsum((input_grad + sent_backward)[::-1], axis=0)[::-1][1:], zero])
+    hold = forward_after + latency_after + returns_above
+
+    best = float(np.max(arrive[-1] + hold[-1] + input_grad[-1] + back[-1]))  # one microbatch's round trip
     for s in range(pp):
-        forward = sum(sum(fwd[s][c]) for c in range(chunks))
-        backward = sum(sum(bwd[s][c]) for c in range(chunks))
-        tail = min(sum(min_input_grad[i][c] for i in range(s))
-                   + sum(min_input_grad[i][lower] for lower in range(c) for i in range(pp))
-                   for c in range(chunks))
-        best = max(best, head + max(forward + backward, forward + half * backward + tail))
-        head += min(fwd[s][0])
+        mine = [c * pp + s for c in range(chunks)]
+        head = float(np.min(arrive[s]))
+        work = float(forward[mine].sum() + backward[mine].sum())
+        crit = float(forward[mine].sum() + input_grad[mine].sum())
+        tail = float(np.min(back[mine]))
+        best = max(best, head + max(work, crit + tail))
+        if in_flight_caps is not None:
+            best = max(best, head + float(hold[mine].sum()) / max(1, in_flight_caps[s]))
     return best
 
 
-def median_lower_bound(config: ArbiterConfig, topology: Topology, realizations: Sequence[Realization]) -> float:
+def in_flight_caps(plan: Plan, stage_limits: Optional[Sequence[Optional[int]]] = None) -> list[int]:
+    """Per stage, the most (microbatch, chunk) forwards ``plan`` ever holds in flight: a fixed
+    order's own peak (strict), else the buffer limit (``stage_limits`` where a run resolved
+    its own per stage, as ``auto`` does; else the plan's), at least the chunk count (the
+    arbiter's guarantee, policy/arbiter.py)."""
+    if plan.config.strict:
+        return [peak_in_flight(order) for order in plan.orders]
+    chunks = plan.topology.num_chunks
+    if stage_limits is not None and all(stage_limits):
+        return [max(int(limit), chunks) for limit in stage_limits]
+    return [max(arbiter.buffer_limit, chunks) for arbiter in plan.arbiters()]
+
+
+def policy_lower_bound(config: ArbiterConfig, topology: Topology, realization: Realization, *,
+                       stage_limits: Optional[Sequence[Optional[int]]] = None) -> float:
+    """The bound for what ``config`` may do: its split (or not) and its memory."""
+    m = len(realization.forward[0][0])
+    plan = Plan.build(config, topology, m)
+    return lower_bound(realization, topology, m, split_backward=plan.split_backward,
+                       in_flight_caps=in_flight_caps(plan, stage_limits))
+
+
+def median_lower_bound(config: ArbiterConfig, topology: Topology, realizations: Sequence[Realization], *,
+                       stage_limits: Optional[Sequence[Optional[int]]] = None,
+                       latency: bool = True) -> float:
     """The median over realisations of the bound for the policy ``config`` runs (a split
-    backward or not, as its plan says): what `bench` divides its measured times by."""
-    m = len(realizations[0].forward[0][0])
-    split = Plan.build(config, topology, m).split_backward
-    return statistics.median(lower_bound(r, topology, m, split_backward=split) for r in realizations)
+    backward or not and its buffer limit, as its plan says, or ``stage_limits`` where the run
+    resolved its own): what `bench` divides its measured times by. ``latency=False`` where
+    the run's messages were not delayed by the realisation's latencies."""
+    if not latency:
+        realizations = [without_latency(r) for r in realizations]
+    return statistics.median(policy_lower_bound(config, topology, r, stage_limits=stage_limits)
+                             for r in realizations)
+
+
+def without_latency(realization: Realization) -> Realization:
+    zero = np.zeros_like(np.asarray(realization.activation_latency, dtype=float)).tolist()
+    return replace(realization, activation_latency=zero, gradient_latency=zero)

@@ -21,7 +21,7 @@ from ..checks import BUFFER_LIMIT, Bound, check_fields, integer
 from ..policy.budget import LimitSpec, megatron_peak_in_flight, resolve_buffer_limit
 from ..policy.plan import Plan
 from ..policy.topology import Topology
-from .bounds import lower_bound
+from .bounds import lower_bound, policy_lower_bound
 from .simulator import BASELINE, STRICT_SUFFIX, median, policy, simulate
 from .variability import Variability, sample_realization
 
@@ -99,6 +99,7 @@ def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: 
     strict = [p for p in policies if _is_strict(p)]
     loose = [p for p in policies if not _is_strict(p)]
     runs: list[dict[str, list]] = [{name: [] for name in policies} for _ in limits]
+    own_bounds: list[dict[str, list]] = [{name: [] for name in policies} for _ in limits]
     bounds, split_bounds = [], []
     seeds = range(config.first_seed, config.first_seed + config.seeds)
     for seed in tqdm(seeds, desc="simulating seeds", disable=not progress, leave=False):
@@ -106,14 +107,17 @@ def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: 
         bounds.append(lower_bound(realization, topology, m))
         split_bounds.append(lower_bound(realization, topology, m, split_backward=True))
         fixed = {name: simulate(policy(name), topology, m, realization, name=name) for name in strict}
+        fixed_bounds = {name: policy_lower_bound(policy(name), topology, realization) for name in strict}
         for index, limit in enumerate(resolved):
             for name in strict:
                 runs[index][name].append(fixed[name])
+                own_bounds[index][name].append(fixed_bounds[name])
             for name in loose:
                 runs[index][name].append(simulate(policy(name, limit), topology, m, realization, name=name))
+                own_bounds[index][name].append(policy_lower_bound(policy(name, limit), topology, realization))
     one_x = _one_x(topology, m)
-    studies = [_report(config, spec, limit, one_x, seeds, bounds, split_bounds, by_policy)
-               for spec, limit, by_policy in zip(limits, resolved, runs)]
+    studies = [_report(config, spec, limit, one_x, seeds, bounds, split_bounds, by_policy, by_policy_bounds)
+               for spec, limit, by_policy, by_policy_bounds in zip(limits, resolved, runs, own_bounds)]
     curve = {name: [{"buffer_limit": study["buffer_limit"], "buffer_limit_spec": study["buffer_limit_spec"],
                      "peak_in_flight": study["policies"][name]["peak_in_flight_max"],
                      "memory_vs_megatron": study["policies"][name]["memory_vs_megatron"],
@@ -133,7 +137,7 @@ def _one_x(topology: Topology, num_microbatches: int) -> Optional[int]:
 
 
 def _report(config: StudyConfig, spec: LimitSpec, limit: int, one_x: Optional[int], seeds, bounds, split_bounds,
-            runs: dict[str, list]) -> dict:
+            runs: dict[str, list], policy_bounds: dict[str, list]) -> dict:
     megatron = [r.makespan for r in runs[BASELINE]]
     baseline = [r.makespan for r in runs[config.baseline]]
     report = {
@@ -152,8 +156,6 @@ def _report(config: StudyConfig, spec: LimitSpec, limit: int, one_x: Optional[in
     }
     for name, results in runs.items():
         makespans = [r.makespan for r in results]
-        split = results[0].orders and any(t.kind.value == "W" for t in results[0].orders[0])
-        own_bounds = split_bounds if split else bounds
         peak = max(max(r.peak_in_flight) for r in results)
         report["policies"][name] = {
             "makespan_median": median(makespans),
@@ -162,7 +164,8 @@ def _report(config: StudyConfig, spec: LimitSpec, limit: int, one_x: Optional[in
             "speedup_vs_1f1b_strict": median([b / m for b, m in zip(megatron, makespans)]),
             "speedup_vs_baseline": median([b / m for b, m in zip(baseline, makespans)]),
             "bubble_fraction_median": median([r.bubble_fraction for r in results]),
-            "makespan_over_lower_bound": median([m / lb for m, lb in zip(makespans, own_bounds)]),
+            # the bound for this policy's split and memory (sim/bounds.py)
+            "makespan_over_lower_bound": median([m / lb for m, lb in zip(makespans, policy_bounds[name])]),
             "peak_in_flight_max": peak,
             "memory_vs_megatron": peak / one_x if one_x else None,
             "busy_per_stage_median": [median([r.busy[s] for r in results]) for s in range(config.pipeline_size)],
