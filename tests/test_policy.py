@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from megatron_rrfp.policy.hint_specs import make_hint
 from megatron_rrfp.policy.hints import LEAD_ZBH1_THEN_BFW, HintError, OrderedHint, megatron_1f1b_order, zbh1_order
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.sim import REFERENCE_J3, Variability, lower_bound, median, policy, sample_realization, simulate
+from megatron_rrfp.sim.bounds import policy_lower_bound
 
 
 def default_hint(topology: Topology, split_backward: bool = True) -> str:
@@ -123,7 +125,7 @@ def test_lower_bound_never_exceeds_any_makespan(pp, microbatches, chunks, sigma_
     if _megatron_accepts(pp, microbatches, chunks):
         specs += ["1f1b", "zbh1", "1f1b-strict", "zbh1-strict", "default"]
     for spec in specs:
-        for limit in (1, 10**6):  # the tightest memory and none
+        for limit in (1, 2, pp, 10**6):  # the tightest memory, Megatron's at stage 0 and none
             if spec == "gpipe" and limit < microbatches * chunks:
                 continue  # refused: GPipe needs room for all its forwards (test_named_hints_...)
             config = policy(spec, limit)
@@ -131,6 +133,29 @@ def test_lower_bound_never_exceeds_any_makespan(pp, microbatches, chunks, sigma_
             split = config.parsed_hint.for_layout(topology).split_backward
             bound = lower_bound(realization, topology, microbatches, split_backward=split)
             assert bound <= result.makespan * (1 + 1e-9), (spec, limit, bound, result.makespan)
+            # at the policy's own memory (its limit, a fixed order's own peak) the bound is tighter, still below
+            capped = policy_lower_bound(config, topology, realization)
+            assert bound <= capped <= result.makespan * (1 + 1e-9), (spec, limit, capped, result.makespan)
+
+
+def test_the_bound_at_a_policys_memory_sees_the_limit_and_the_latency():
+    """Little's law on the buffer limit: with one forward in flight (no jitter, no split) each
+    microbatch's forward waits for the previous one's whole round trip, M (3 PP - 2) f0 of
+    holding at stage 0, which the bound without memory (3 M + the fill) cannot see; a message
+    latency on every hop adds to it."""
+    pp, m = 4, 8
+    topology = Topology(pp)
+    realization = sample_realization(Variability(), topology, m, seed=0)
+    one_at_a_time = policy("bf", 1)
+    makespan = simulate(one_at_a_time, topology, m, realization).makespan
+    assert makespan == pytest.approx(m * 3 * pp)
+    assert lower_bound(realization, topology, m) == pytest.approx(3 * m + 3 * (pp - 1))
+    assert policy_lower_bound(one_at_a_time, topology, realization) == pytest.approx(m * (3 * pp - 2))
+    slow_links = dataclasses.replace(realization, activation_latency=(np.asarray(realization.activation_latency) + 0.5
+                                                                      ).tolist())
+    assert policy_lower_bound(one_at_a_time, topology, slow_links) == pytest.approx(m * (3 * pp - 2 + 0.5 * (pp - 1)))
+    assert policy_lower_bound(one_at_a_time, topology, slow_links) <= simulate(
+        one_at_a_time, topology, m, slow_links).makespan
 
 
 def test_zero_jitter_bf_and_strict_1f1b_hit_the_closed_form():
