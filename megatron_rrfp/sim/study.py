@@ -178,7 +178,8 @@ def format_report(report: dict) -> str:
     memory = f" ({report['buffer_limit'] / one_x:.3g}x Megatron's {one_x})" if one_x else ""
     head = (f"PP={report['pipeline_size']} M={report['num_microbatches']} C={report['num_chunks']} "
             f"limit={report['buffer_limit']}{memory} seeds={len(report['seeds'])}  "
-            f"lower bound (median) = {report['lower_bound_median']:.3f}")
+            f"lower bound (median, no memory limit) = {report['lower_bound_median']:.3f}, "
+            f"{report['lower_bound_split_median']:.3f} with a split backward")
     other = report.get("baseline", BASELINE) != BASELINE
     extra = f"{'vs ' + report['baseline']:>18}" if other else ""
     rows = [head, f"{'policy':<16}{'makespan':>10}{'speedup':>9}{'bubble':>8}{'/LB':>7}{'peak D':>8}{extra}"]
