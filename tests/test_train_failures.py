@@ -114,6 +114,21 @@ DIAGNOSIS = re.compile(r"PipelineStallError: rank 0 \(pipeline stage 0\): transp
                        r"rank 0: (recv from|send to) rank 1 failed")
 
 
+def assert_records_the_dead_peer(kind: str, message: str) -> None:
+    """Rank 0's ledger record of rank 1's death. It is a PipelineStallError when rank 0 found its
+    dead peer before the launcher's SIGTERM reached it (the launcher polls every 0.1 s; rank 0
+    usually sees the closed socket first); on a loaded host the SIGTERM can come first, and then
+    the driver names it as the cause (what a cancelled job needs: a peer whose grace ended first
+    is not the cause) and keeps the diagnosis in the message. Either way the diagnosis is there."""
+    if kind == "JobTerminated":
+        assert "stopped by SIGTERM; while stopping: PipelineStallError: " in message, message
+        message = message.split("while stopping: ", 1)[1]
+    else:
+        assert kind == "PipelineStallError", (kind, message)
+        message = "PipelineStallError: " + message
+    assert DIAGNOSIS.search(message), message
+
+
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_rank_killed_mid_iteration_stops_the_job_with_a_diagnosis_and_a_ledger_record(tmp_path):
     ledger = tmp_path / "goodput.db"
@@ -127,8 +142,8 @@ def test_a_rank_killed_mid_iteration_stops_the_job_with_a_diagnosis_and_a_ledger
     report = goodput_report(str(ledger))
     assert not report.live and report.sessions == 1
     [disruption] = report.disruptions
-    assert (disruption.kind, disruption.rank, disruption.inferred) == ("PipelineStallError", 0, False)
-    assert DIAGNOSIS.search("PipelineStallError: " + disruption.message), disruption.message
+    assert (disruption.rank, disruption.inferred) == (0, False)
+    assert_records_the_dead_peer(disruption.kind, disruption.message)
     # Iteration 4 was cut short; 1-3 completed, but with no checkpoint and no restart they are lost too.
     assert (report.count("kept"), report.count("wasted"), report.count("incomplete")) == (0, 3, 1)
     assert report.badput["wasted_progress"] > 0
@@ -185,7 +200,8 @@ def test_restart_from_the_last_checkpoint_accounts_lost_work_and_ends_like_an_un
     assert report["sessions"] == 2 and not report["live"]
     assert (report["iterations"]["kept"], report["iterations"]["incomplete"]) == (8, 1)
     [disruption] = report["disruptions"]
-    assert (disruption["kind"], disruption["resumed_from"]) == ("PipelineStallError", 4)
+    assert disruption["resumed_from"] == 4
+    assert_records_the_dead_peer(disruption["kind"], disruption["message"])
     assert disruption["time_to_resume_s"] > 0 and disruption["wasted_s"] > 0
     assert report["checkpoint_saves"] == 4  # 2 and 4 before the kill, 6 and 8 after the restart
 
