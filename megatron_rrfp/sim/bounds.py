@@ -42,8 +42,8 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
     mem_s is Little's law on the buffer limit: each (microbatch, chunk) forward holds one of
     the stage's cap_s slots (its peak forwards in flight: the limit, at least C, for a
     readiness-first policy; a fixed order's own peak) from its start until its B starts (W
-    releases later, when split), and all of it happens after head_s. Also, per microbatch,
-    its whole round trip: arrive(V-1) + hold(V-1) ... = sum of every F, b and latency on its way.
+    releases later, when split), and all of it happens after head_s. Also each microbatch's
+    round trip: every F, b and latency on its way out and back.
 
       LB = max(max_s LB_s, max_s mem_s, max_j round_trip_j)
 
