@@ -32,13 +32,18 @@ def start(action: str, env: dict | None = None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})})
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, list[dict], str]:
+def outputs(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    """The launcher's stdout and stderr once it exits; killed after ``timeout``."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
             proc.communicate()
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, list[dict], str]:
+    out, err = outputs(proc, timeout)
     probes = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda p: p["rank"])
     return proc.returncode, probes, err
 
@@ -95,12 +100,7 @@ def test_lines_from_ranks_writing_at_once_stay_whole_under_unbuffered_python():
     rank could land in between (an iteration line of train joined to rank 0's buffer-limit line
     failed a CI run's log parsing). print_line writes each line whole."""
     proc = start("lines", env={"PYTHONUNBUFFERED": "1"})
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    out, err = outputs(proc)
     assert proc.returncode == 0, err
     written = [line for line in out.splitlines() if not line.startswith("{")]
     broken = [line for line in written if not re.fullmatch(r"rank [012] line \d+ x{300}", line)]
