@@ -233,13 +233,15 @@ class TeSplit:
     def _regather_inputs(self, store, added: int) -> None:
         import torch.distributed as dist
 
+        from ..dist.collectives import all_gather_single
+
         for tensor_list, _ in list(store.context.queue)[:added]:
             group = self._regather.pop(id(tensor_list), None)
             if group is not None:
                 local = tensor_list[0]
                 full = torch.empty((local.shape[0] * dist.get_world_size(group),) + tuple(local.shape[1:]),
                                    dtype=local.dtype, device=local.device)
-                dist.all_gather_into_tensor(full, local, group=group)
+                all_gather_single(full, local, group=group)
                 tensor_list[0] = full
 
     def check(self, key: Key) -> None:
