@@ -42,6 +42,7 @@ PHASE_TIMEOUT_S = 180  # one run of the job: start-up (python, torch, megatron-c
 TRAIN_ITERS, SAVE_INTERVAL = 80, 4  # after SIGTERM a rank trains on for its 2 s grace (train/signals.py): with 40
 # a fast host (~15 iterations/s) finished the run inside it, a clean end rather than the disruption asserted below
 JOB_NAME = "rrfp-ci-requeue"
+ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +78,20 @@ class Job:
         pytest.fail(f"{pattern!r} not in the job's output after {timeout} s:\n{self.text()[-6000:]}\n"
                     + _scontrol(self.id))
 
-    def wait_until_gone(self, timeout: float = PHASE_TIMEOUT_S) -> str:
-        """The job's last state as scontrol saw it (it leaves the queue MinJobAge s after ending)."""
+    def wait_until_ended(self, timeout: float = PHASE_TIMEOUT_S) -> str:
+        """The job's final state as scontrol shows it, as soon as it has one (not MinJobAge later,
+        when it leaves the queue; COMPLETING, the epilog, is not final yet)."""
         deadline, last = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
             shown = _scontrol(self.id)
-            if "JobState=" not in shown:
+            state = re.search(r"JobState=(\w+)", shown)
+            if state is None:  # already left the queue: its last state seen
                 return last
+            if state.group(1) in ENDED_STATES:
+                return shown
             last = shown
-            time.sleep(0.3)
-        pytest.fail(f"job {self.id} still known after {timeout} s:\n{last}\n{self.text()[-4000:]}")
-
+            time.sleep(0.2)
+        pytest.fail(f"job {self.id} not ended after {timeout} s:\n{last}\n{self.text()[-4000:]}")
 
     def start_now_when_requeued(self, timeout: float = 60) -> None:
         """SLURM holds a requeued job back for two minutes (EligibleTime); make it eligible now."""
@@ -149,7 +153,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_continues_its_ledger(loc
         again = job.wait_for(r"resumed from \S+ at iteration (\d+) ", after=saved.end())
         assert int(again.group(1)) >= int(saved.group(1))
         job.wait_for(r"^rrfp: done; checkpoints, ledger", after=again.end())
-        final = job.wait_until_gone()
+        final = job.wait_until_ended()
     finally:
         subprocess.run(["scancel", job.id], capture_output=True, timeout=30)  # only if something above failed
     log = job.text()
@@ -195,7 +199,7 @@ def test_the_multimodal_script_runs_megatron_lms_pretrain_vlm(request, tmp_path)
     job = _submit(MULTIMODAL_SBATCH, "rrfp-ci-vlm", tmp_path, env)
     try:
         job.wait_for(r"^rrfp: done; checkpoints, ledger", timeout=2 * PHASE_TIMEOUT_S)
-        final = job.wait_until_gone()
+        final = job.wait_until_ended()
     finally:
         subprocess.run(["scancel", job.id], capture_output=True, timeout=30)
     log = job.text()
