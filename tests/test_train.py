@@ -3,7 +3,8 @@
 Three short trainings share one layout and seed: rrfp (saving at iteration 3), 1f1b, and
 rrfp resumed from the iteration-3 checkpoint. Their logged losses must agree: the
 schedule changes the order, never the math, and a checkpoint holds all the state.
-Every launch runs in its own subprocess with a timeout; ``--nproc`` children die with
+Every launch runs in its own process with a timeout (forked after torch's import:
+helpers/cli_fork.py; one real subprocess tests the start-up); ``--nproc`` children die with
 their parent, so a killed launch leaves nothing behind.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from helpers import cli_fork
 
 TINY = ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "64", "--micro-batch-size", "2",
@@ -32,9 +35,10 @@ LAUNCH_TIMEOUT_S = 150
 
 
 def train(*flags: str, timeout: float = LAUNCH_TIMEOUT_S, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``megatron-rrfp train FLAGS`` (through the console script's module)."""
-    return subprocess.run([sys.executable, "-m", "megatron_rrfp.cli", "train", *flags], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    """``megatron-rrfp train FLAGS`` in its own process, forked after torch's import
+    (helpers/cli_fork.py; the start-up itself is tested by a real subprocess below)."""
+    return cli_fork.run(["train", *flags], timeout=timeout,
+                        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def memory(result: subprocess.CompletedProcess) -> dict[int, tuple[float, int]]:

@@ -11,8 +11,9 @@
 
 A rank is killed by a fault-injection hook this test installs from outside the package
 (``helpers/fault_site/sitecustomize.py`` on the job's PYTHONPATH). Every launch is a
-subprocess started here, with a timeout; ``--nproc`` runs the launcher (dist/forked.py) in that
-process and its ranks die with it, so killing the launcher (ours) leaves nothing behind.
+process started here (forked after torch's import: helpers/cli_fork.py), with a timeout;
+``--nproc`` runs the launcher (dist/forked.py) in that process and its ranks die with it, so
+killing the launcher (ours) leaves nothing behind.
 Ledger write failures mid-write and corrupt / missing ledgers are covered by
 tests/test_goodput.py.
 
@@ -26,12 +27,12 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
 import pytest
 
+from helpers import cli_fork
 from megatron_rrfp.goodput import goodput_report
 
 RRFP_TIMEOUT_S = 5.0
@@ -72,30 +73,26 @@ class Launch:
 def launch(*flags: str, kill_rank: int | None = None, kill_at: int | None = None,
            timeout: float = LAUNCH_TIMEOUT_S) -> Launch:
     """``megatron-rrfp train FLAGS``, optionally SIGKILLing rank ``kill_rank`` in iteration
-    ``kill_at``; its output is read line by line with arrival times."""
+    ``kill_at``; its output is read line by line with arrival times (forked after torch's
+    import, helpers/cli_fork.py, which imports the hook's ``sitecustomize`` as start-up would)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONWARNINGS", "RRFP_FAULT_KILL_RANK", "RRFP_FAULT_KILL_AT_ITER")}  # default warnings
     if kill_rank is not None:
         env.update(RRFP_FAULT_KILL_RANK=str(kill_rank), RRFP_FAULT_KILL_AT_ITER=str(kill_at),
                    PYTHONPATH=os.pathsep.join(filter(None, [FAULT_SITE, env.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rrfp.cli", "train", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    command = cli_fork.start(["train", *flags], env=env, merge_stderr=True)
     lines: list = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout),
-                              daemon=True)
-    reader.start()
+    reader = command.follow(lambda line: lines.append((time.monotonic(), line)))
     try:
-        proc.wait(timeout=timeout)
+        command.wait(timeout=timeout)
         ended = time.monotonic()
     except subprocess.TimeoutExpired:
         pytest.fail(f"`megatron-rrfp train` still running after {timeout} s:\n"
                     + "".join(line for _, line in lines)[-6000:])
     finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher we started; its ranks die with it (PR_SET_PDEATHSIG)
-            proc.wait()
+        command.close()  # kills the launcher if still running; its ranks die with it (PR_SET_PDEATHSIG)
         reader.join(10)
-    return Launch(proc.returncode, lines, ended)
+    return Launch(command.poll(), lines, ended)
 
 
 def assert_killed_rank_1_and_rank_0_left_on_its_own(run: Launch, iteration: int) -> float:

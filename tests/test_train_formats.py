@@ -5,7 +5,8 @@
 Three launches: an uninterrupted run saving at iterations 3 and 6; a run stopped by SIGUSR1
 (``--exit-signal-handler --exit-signal SIGUSR1``: it saves and exits 0, as a SLURM job does
 before its time limit); and a resume from that checkpoint, which must continue exactly like
-the uninterrupted run. Every launch is a subprocess with a timeout.
+the uninterrupted run. Every launch is a process of its own with a timeout (forked after
+torch's import: helpers/cli_fork.py), but the one through torch's launcher (a real subprocess).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
+
+from helpers import cli_fork
 
 LAUNCH_TIMEOUT_S = 180
 LOSS_LINE = re.compile(r"^ \[[^\]]+\] iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|", re.MULTILINE)
@@ -32,29 +34,25 @@ def flags(prefix: str, ckpt: str) -> list[str]:
 
 
 def run(*args: str, on_line=None) -> tuple[int, str]:
-    """``megatron-rrfp train ARGS``; ``on_line(line, proc)`` sees each output line as it arrives."""
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rrfp.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    """``megatron-rrfp train ARGS`` (forked after torch's import: helpers/cli_fork.py);
+    ``on_line(line, command)`` sees each output line as it arrives."""
+    command = cli_fork.start(["train", *args], env={**os.environ, "PYTHONWARNINGS": "ignore"}, merge_stderr=True)
     lines: list[str] = []
 
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if on_line is not None:
-                on_line(line, proc)
+    def seen(line: str) -> None:
+        lines.append(line)
+        if on_line is not None:
+            on_line(line, command)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    reader = command.follow(seen)
     try:
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        command.wait(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail("still running after the timeout:\n" + "".join(lines)[-6000:])
     finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher in that process; its ranks die with it
-            proc.wait()
+        command.close()  # kills the launcher if still running; its ranks die with it
         reader.join(10)
-    return proc.returncode, "".join(lines)
+    return command.poll(), "".join(lines)
 
 
 def losses(output: str) -> dict[int, float]:
@@ -89,10 +87,10 @@ def test_indexed_data_bf16_and_torch_dist_checkpoints_resume_exactly(tmp_path):
 
     signalled = []
 
-    def stop_after_iteration_2(line, proc):  # SIGUSR1 to one rank, as SLURM's --signal would
+    def stop_after_iteration_2(line, command):  # SIGUSR1 to one rank, as SLURM's --signal would
         if re.search(r"\] iteration\s+2/", line) and not signalled:
             signalled.append(True)
-            os.kill(ranks_of(proc.pid)[0], signal.SIGUSR1)
+            os.kill(ranks_of(command.pid)[0], signal.SIGUSR1)
 
     ckpt = str(tmp_path / "stopped")
     code, stopped = run(*flags(prefix, ckpt), "--exit-signal-handler", "--exit-signal", "SIGUSR1",
