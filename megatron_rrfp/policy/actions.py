@@ -14,6 +14,7 @@ chunk *on this stage* (virtual stage = chunk * PP + stage). ``Task.parse(str(t))
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,11 +83,13 @@ def W(microbatch: int, chunk: int = 0) -> Task:
     return Task(Kind.W, microbatch, chunk)
 
 
+@functools.lru_cache(maxsize=64)
 def all_tasks(num_microbatches: int, num_chunks: int = 1, *, split_backward: bool = False,
-              forward_only: bool = False) -> list[Task]:
-    """Every task one stage runs in one iteration."""
+              forward_only: bool = False) -> tuple[Task, ...]:
+    """Every task one stage runs in one iteration (one tuple per layout: every stage's arbiter,
+    every iteration and every simulated run of a layout shares it; Tasks are immutable)."""
     kinds = [Kind.F] if forward_only else ([Kind.F, Kind.B, Kind.W] if split_backward else [Kind.F, Kind.B])
-    return [Task(k, m, c) for k in kinds for c in range(num_chunks) for m in range(num_microbatches)]
+    return tuple(Task(k, m, c) for k in kinds for c in range(num_chunks) for m in range(num_microbatches))
 
 
 def peak_in_flight(order: Iterable[Task]) -> int:
