@@ -19,12 +19,12 @@ from megatron_rrfp.mcore.schedule import forward_backward_rrfp, get_forward_back
 from . import mlp
 
 
-def _stage_and_data():
+def _stage_and_data(**config_overrides):
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()
-    config = models.tiny_gpt_config()
+    config = models.tiny_gpt_config(**config_overrides)
     model = mlp.build_mlp_stage(config, seed=3)
     data = mlp.synthetic_mlp_batches(seed=1, micro_batch_size=2, seq_length=8, hidden_size=32)
     return model, data, mlp.mlp_forward_step
@@ -107,10 +107,12 @@ def stress(patterns: int, late_rank: int, seed: int = 0, progress_path: str | No
     import random
 
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from megatron_rrfp.runtime.executor import PipelineStallError
 
-    model, _, step = _stage_and_data()
+    # one block per stage: the orders and the agreement are the point, not the model's size
+    model, _, step = _stage_and_data(num_layers=parallel_state.get_pipeline_model_parallel_world_size())
     rank = dist.get_rank()
 
     def run(options):
