@@ -15,9 +15,10 @@ import os
 
 # Handed out first (slowest first, from `--durations` on both legs), so that neither worker
 # is left alone with one of them at the end; the other files follow in collection order.
-SLOW_FILES = ("test_executor.py", "test_train.py", "test_transport_emulated.py", "test_train_formats.py",
-              "test_train_failures.py", "test_slurm.py", "test_moe.py", "test_integration.py", "test_policy.py",
-              "test_hybrid.py", "test_bench_sweep.py", "test_llava_shapes.py", "test_dp_overlap.py", "test_harness.py")
+SLOW_FILES = ("test_executor.py", "test_transport_emulated.py", "test_slurm.py", "test_policy.py",
+              "test_train_formats.py", "test_moe.py", "test_integration.py", "test_harness.py", "test_train.py",
+              "test_forked_ranks.py", "test_llava_shapes.py", "test_bench_sweep.py", "test_memory_bytes.py",
+              "test_interleaved.py", "test_hybrid.py", "test_dp_overlap.py")
 
 
 def pytest_collection_modifyitems(config, items):

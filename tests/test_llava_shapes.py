@@ -45,52 +45,38 @@ def test_bad_llava_shapes_are_refused_naming_the_flag(argv, message, capsys):
     assert message in captured.out + captured.err
 
 
-_SHIMS_PROBE = r'''
-import os, torch, torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.vision.clip_vit_model import CLIPViTModel
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-from megatron.core.optimizer import clip_grads, optimizer
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_rrfp.megatron_lm import cpu_training
+def shims_probe() -> bool:
+    """On one launched rank (a process of its own: the shims are process-wide)."""
+    import torch
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PROBE_PORT"])
-dist.init_process_group("gloo", rank=0, world_size=1)
-parallel_state.initialize_model_parallel(1, 1)
-assert cpu_training.enable_cpu_training()
-cpu_training._clip_grads_on_cpu()  # what enable_cpu_training adds where megatron.training is present
-cpu_training._vit_norm_without_te()
-config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                           layernorm_epsilon=1e-3)
-vit = CLIPViTModel(config, get_vit_layer_with_local_spec(), img_h=28, img_w=28, patch_dim=14)
-assert type(vit.ln_pre) is torch.nn.LayerNorm and vit.ln_pre.eps == 1e-3, vit.ln_pre
-assert vit(torch.randn(2, 3, 28, 28)).shape == (2, 5, 8)  # 4 patches + the class token
-params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-for p in params:
-    p.grad = torch.full_like(p, 2.0)
-assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32  # rebound by name
-optimizer.clip_grad_by_total_norm_fp32(params, 1.0, 4.0)
-assert all(torch.allclose(p.grad, torch.full_like(p, 2.0 / (4.0 + 1e-6))) for p in params)
-assert not any(hasattr(p, "decoupled_grad") for p in params)
-print("SHIMS OK")
-'''
+    from megatron_rrfp.megatron_lm import cpu_training
+
+    assert cpu_training.enable_cpu_training()
+    cpu_training._clip_grads_on_cpu()  # what enable_cpu_training adds where megatron.training is present
+    cpu_training._vit_norm_without_te()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                               layernorm_epsilon=1e-3)
+    vit = CLIPViTModel(config, get_vit_layer_with_local_spec(), img_h=28, img_w=28, patch_dim=14)
+    assert type(vit.ln_pre) is torch.nn.LayerNorm and vit.ln_pre.eps == 1e-3, vit.ln_pre
+    assert vit(torch.randn(2, 3, 28, 28)).shape == (2, 5, 8)  # 4 patches + the class token
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32  # rebound by name
+    optimizer.clip_grad_by_total_norm_fp32(params, 1.0, 4.0)
+    assert all(torch.allclose(p.grad, torch.full_like(p, 2.0 / (4.0 + 1e-6))) for p in params)
+    assert not any(hasattr(p, "decoupled_grad") for p in params)
+    return True
 
 
 @pytest.mark.timeout(600)
-def test_the_cpu_launchers_shims_build_llavas_vit_and_clip_cpu_grads(tmp_path):
+def test_the_cpu_launchers_shims_build_llavas_vit_and_clip_cpu_grads():
     """Without TE, CLIPViTModel's default ln_pre (torch.nn.LayerNorm) is called with config=;
-    megatron-core's clipping asserts CUDA grads. One subprocess: the shims are process-wide."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    megatron-core's clipping asserts CUDA grads."""
+    from megatron_rrfp.dist.launcher import launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PROBE_PORT": str(port), "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", _SHIMS_PROBE], env=env, capture_output=True, text=True,
-                          timeout=540, cwd=str(tmp_path))  # ~8 s of CPU; the wall is the host's load
-    assert proc.returncode == 0 and "SHIMS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert launch(shims_probe, world_size=1, timeout=540) == [True]  # ~8 s of CPU; the wall is the host's load
