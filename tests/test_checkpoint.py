@@ -101,6 +101,8 @@ class _Planted:
         return os.system, (f"touch {self.marker}",)
 
 
+# torch's note on the bare pickle below (protocol 4), just before the load refuses it
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_a_planted_checkpoint_runs_no_code_and_is_a_clear_error(tmp_path, one_rank):
     model, optimizer, scheduler = _training_state(seed=1)
     directory = _save(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler)
