@@ -242,9 +242,10 @@ def test_samples_follow_megatrons_sampler():
 
 
 
-def test_indexed_datasets_are_read_through_megatron_cores_gpt_dataset(tmp_path):
+def test_indexed_datasets_are_read_through_megatron_cores_gpt_dataset(tmp_path, monkeypatch):
     """A .bin/.idx written by megatron-core's own builder; samples are GPTDataset's, in
     Megatron's sampler order, and a token outside the vocabulary is named."""
+    monkeypatch.setenv("RANK", "0")  # as on a rank: without a process group megatron-core 0.19 warns it assumes 0
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
