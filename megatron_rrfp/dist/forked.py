@@ -35,8 +35,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
-from typing import Optional
+from collections.abc import Callable, Iterable, Sequence
+from typing import NoReturn, Optional
 
 from .env import die_with_parent
 from .torchrun import exit_status, report_failures
@@ -90,8 +90,7 @@ def run_module_forked(nproc: int, module: str, args: Sequence[str], *, env: Opti
 
 
 def _rank_main(rank: int, nproc: int, parent: int, port_pipe: int, module: str, args: Sequence[str]) -> None:
-    code = 1
-    try:
+    def run() -> int:
         die_with_parent(parent)
         for signum in _FORWARDED:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
@@ -105,12 +104,24 @@ def _rank_main(rank: int, nproc: int, parent: int, port_pipe: int, module: str, 
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at torch's import
         sys.argv = [module, *args]
-        code = _run_module(module)
-        for thread in threading.enumerate():  # what the interpreter's exit would wait for
+        return _run_module(module)
+
+    exit_as_the_interpreter_would(run)
+
+
+def exit_as_the_interpreter_would(run: Callable[[], Optional[int]]) -> NoReturn:
+    """A forked child's whole life: ``run()``, its result the exit status, then what the
+    interpreter's exit does (the non-daemon threads joined, the atexit handlers run, the
+    streams flushed) and ``os._exit``. An exception is printed as an uncaught one is (status
+    1): a child must never return or raise into the frames of the process it was forked from."""
+    code = 1
+    try:
+        code = run() or 0
+        for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
         atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001 - a rank must never return into the launcher's frames
+    except BaseException:  # noqa: BLE001 - see above
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):

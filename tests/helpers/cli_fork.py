@@ -130,15 +130,13 @@ def run(argv: Sequence[str], *, timeout: float, env: Optional[Mapping[str, str]]
 
 def _command_main(argv: list[str], env: dict, cwd: str, stdout_path: str, stderr_path: str) -> None:
     """The fork server's child: the interpreter's ``python -m megatron_rrfp.cli ARGV``, after its imports."""
-    import atexit
     import sys
-    import traceback
     import warnings
 
     from megatron_rrfp.dist.env import die_with_parent
+    from megatron_rrfp.dist.forked import exit_as_the_interpreter_would
 
-    code = 1
-    try:
+    def run() -> Optional[int]:
         die_with_parent()  # the fork server, which exits with the test worker
         os.environ.clear()
         os.environ.update(env)
@@ -156,22 +154,11 @@ def _command_main(argv: list[str], env: dict, cwd: str, stdout_path: str, stderr
 
         sys.argv = [cli.__file__, *argv]
         try:
-            code = cli.main(argv)
+            return cli.main(argv)
         except SystemExit as exc:  # argparse's usage errors
-            code = exc.code if isinstance(exc.code, int) else 1
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code or 0)
+            return exc.code if isinstance(exc.code, int) or exc.code is None else 1
+
+    exit_as_the_interpreter_would(run)
 
 
 def _run_site_hooks(pythonpath: str) -> None:
