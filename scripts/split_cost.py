@@ -82,7 +82,8 @@ def measure(args, heads: int) -> dict:
                                     num_attention_heads=heads, ffn_hidden_size=4 * args.hidden_size,
                                     params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16)
     stage = models.build_gpt_stage(config, vocab_size=128, seq_length=args.seq_length, seed=1,
-                                   pre_process=False, post_process=False).to(device=device, dtype=dtype)  # as Float16Module casts
+                                   pre_process=False, post_process=False)
+    stage = stage.to(device=device, dtype=dtype)  # as Float16Module casts
     model_type = compat.model_type(stage)
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     generator = torch.Generator().manual_seed(3)
@@ -118,20 +119,20 @@ def measure(args, heads: int) -> dict:
                 compat.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
                 return out
 
-            def backward(out):
+            def backward(out, hidden=hidden, mb=mb):
                 compat.backward_step([hidden], [out], [output_grads[mb]], model_type, config)
 
-            def split_backward(out):
+            def split_backward(out, mb=mb):
                 with store.deferring((mb, 0)):
                     backward(out)
                 return store.pending_bytes()
 
             out = timed("F'" if split else "F", forward)
             if split:
-                stash.append(timed("B'", lambda: split_backward(out)))
-                timed("W", lambda: store.run((mb, 0)))
+                stash.append(timed("B'", lambda out=out: split_backward(out)))
+                timed("W", lambda mb=mb: store.run((mb, 0)))
             else:
-                timed("B", lambda: backward(out))
+                timed("B", lambda out=out: backward(out))
             input_grads.append(hidden.grad.detach().clone())
         if not record:  # the warm-up
             for name in ("F'", "B'", "W") if split else ("F", "B"):
