@@ -196,7 +196,7 @@ def table(f: dict) -> str:
              f"  1F1B's     F {ms['F']:8.2f} ms   B {ms['B']:8.2f} ms               F+B    {unsplit:8.2f} ms",
              f"  split      F {f_split:8.2f} ms   B' {b_split:7.2f} ms   W {ms['W']:7.2f} ms"
              f"   F+B'+W {split:8.2f} ms",
-             f"  split cost {f['split_cost_ms']:+.2f} ms per microbatch in B'+W ({100 * (split / unsplit - 1):+.1f}% of "
+             f"  split cost {f['split_cost_ms']:+.2f} ms per microbatch, B'+W ({100 * (split / unsplit - 1):+.1f}% of "
              f"F+B), forward {f['forward_cost_ms']:+.2f} ms"]
     if f["peak_mib"]:
         peaks = ", ".join(f"{name} {mib:.0f}" for name, mib in f["peak_mib"].items())
