@@ -134,9 +134,10 @@ def measure(args, heads: int) -> dict:
             else:
                 timed("B", lambda out=out: backward(out))
             input_grads.append(hidden.grad.detach().clone())
-        if not record:  # the warm-up
+        if not record:  # the warm-up: its first-call allocations (cuBLAS workspaces) are no phase's peak
             for name in ("F'", "B'", "W") if split else ("F", "B"):
                 phases[name].clear()
+                peaks[name] = 0
             stash.clear()
         return input_grads
 
@@ -154,16 +155,16 @@ def measure(args, heads: int) -> dict:
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
-    diffs = [rel(split_grads[n], g) for n, g in reference.items()] + [
-        rel(a, b) for a, b in zip(split_inputs, reference_inputs)]
     missing = sorted(set(reference) ^ set(split_grads))
     if missing:
         raise SystemExit(f"the split path's gradients differ in which parameters have one: {missing}")
+    diffs = [rel(split_grads[n], g) for n, g in reference.items()] + [
+        rel(a, b) for a, b in zip(split_inputs, reference_inputs)]
     median_ms = {name: 1e3 * statistics.median(times) for name, times in phases.items()}
     dist.destroy_process_group()
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "megatron_core": _version("megatron-core"),
+        "torch": torch.__version__, "megatron_core": str(compat.MEGATRON_CORE_VERSION),
         "hidden_size": args.hidden_size, "num_layers": args.num_layers, "heads": heads,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
         "dtype": str(dtype).removeprefix("torch."), "microbatches": args.microbatches, "repeats": args.repeats,
@@ -174,15 +175,6 @@ def measure(args, heads: int) -> dict:
         "stash_mib": max(stash) / 2**20 if stash else 0.0,
         "max_rel_grad_diff": max(diffs), "tolerance": 1e-2 if args.bf16 else 1e-5,
     }
-
-
-def _version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "?"
 
 
 def table(f: dict) -> str:
