@@ -32,9 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def runs_on_cpu(args: argparse.Namespace) -> bool:
+    """A command whose processes must not touch a GPU: everything but ``bench`` / ``demo --device
+    cuda`` and ``train`` without ``--cpu``."""
+    if args.command == "train":
+        return args.cpu
+    return getattr(args, "device", "cpu") == "cpu"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if runs_on_cpu(args):
+        from .dist.env import hide_cuda
+
+        hide_cuda()  # on a GPU host too: before torch first counts devices (it keeps the count)
     with quiet.for_entry_point(announce=args.command in _RUNS_MEGATRON):
         try:
             return args.func(args)

@@ -57,6 +57,10 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--goodput-ledger", metavar="DB", default=None,
                        help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
         p.add_argument("--timeout", type=bounds["--timeout"], default=1200.0, help="seconds before the run is killed")
+        p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                       help="cpu (default): one gloo process per rank on this host's CPUs, CUDA hidden from them; "
+                            "cuda: one rank per GPU over NCCL (needs --pp x --tp x --dp GPUs), started by torch's "
+                            "launcher, the emulated device time a sleep kernel on each rank's stream")
         production = p.add_argument_group("production parallelism (Megatron-LM's names)")
         production.add_argument("--sequence-parallel", action="store_true",
                                 help="Megatron's sequence parallelism (needs --tp > 1)")
@@ -116,8 +120,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         overlap_param_gather=args.overlap_param_gather, dp_reduce_ms=args.dp_reduce_ms,
         dp_gather_ms=args.dp_gather_ms, a2a_ms=args.a2a_ms, whole_stage_agreement=args.whole_stage_agreement,
         transport=args.rrfp_transport, dp_overlap=args.rrfp_dp_overlap,
-        image_size=args.img_h if llava is not None else None, patch_dim=args.patch_dim)
+        image_size=args.img_h if llava is not None else None, patch_dim=args.patch_dim, device=args.device)
     report = run_bench(config)
+    if not report:
+        return 0  # one rank of a job torchrun / srun started: rank 0 prints the table
     print(format_table(report))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
           + (f"trade-off: {config.out_dir}/tradeoff.png  " if "tradeoff" in report else "")

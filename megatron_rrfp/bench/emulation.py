@@ -4,6 +4,9 @@ A 2-core CPU machine cannot run PP=8 of real GPU-sized work, but it can *sleep*:
 task sleeps for its modeled duration (from ``simulator.sample_realization``, the same
 draw the simulator uses) on top of the real, small compute of the tiny model. Sleeping
 ranks use no CPU, so eight of them share two cores without disturbing each other.
+On CUDA (``bench --device cuda``) the modeled time is a sleep kernel on the rank's compute
+stream ahead of the task's real kernels, and the task ends when the stream has drained (a
+sync point), so spans and send times are the device's, for every schedule alike.
 
 Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``hooks.py``):
 * every task (``wrap_tasks``): sleep F / B / W of (stage, chunk, microbatch);
@@ -74,8 +77,9 @@ class DeviceTimeEmulator:
     """Install once per process; call ``begin_iteration`` with each iteration's draw."""
 
     def __init__(self, *, stage: int, topology: Topology, num_microbatches: int, table: Optional[SendTimeTable],
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False, device=None) -> None:
         self.stage, self.topology, self.table, self.split_backward = stage, topology, table, split_backward
+        self._device_sleep = DeviceSleep(device) if device is not None and device.type == "cuda" else None
         # Megatron receives in its own schedule's order: the k-th forward (backward) receive
         # feeds the k-th forward (backward) of megatron_1f1b_order that has a sender.
         order = megatron_1f1b_order(stage, topology, num_microbatches)
@@ -139,6 +143,8 @@ class DeviceTimeEmulator:
         slept = time.time()
         cpu = time.thread_time()
         result = run()
+        if self._device_sleep is not None:
+            self._device_sleep.drain()
         end = time.time()
         inside = self.comm.take_task_device() if self.comm is not None else 0.0
         self.tally.add(task.kind, modeled + waited + inside, slept - start - modeled - waited, end - slept - inside,
@@ -174,7 +180,10 @@ class DeviceTimeEmulator:
         seconds = self.realization.duration(self.stage, task, self.split_backward)
         if self.split_backward and not self._deferred(task):  # the byte budget ran its B unsplit
             seconds = 0.0 if task.kind is Kind.W else self.realization.duration(self.stage, task, False)
-        time.sleep(seconds)
+        if self._device_sleep is not None:
+            self._device_sleep.sleep(seconds)
+        else:
+            time.sleep(seconds)
         return seconds
 
     def _deferred(self, task: Task) -> bool:
@@ -214,6 +223,33 @@ class DeviceTimeEmulator:
 
     def _span(self, task: Task, start: float, end: float) -> None:
         self.spans.append(Span(self.rank, str(task), task.kind.value, start - self._t0, end - self._t0))
+
+
+class DeviceSleep:
+    """Modeled device time as a sleep kernel (``torch.cuda._sleep``, which spins for a number of
+    GPU clock cycles) on the current stream; the cycles per second are measured once with CUDA
+    events, since the clock under load is not the nominal one."""
+
+    CALIBRATION_CYCLES = 50_000_000
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self._torch, self.device = torch, device
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # the first launch pays the module's load
+        start.record()
+        torch.cuda._sleep(self.CALIBRATION_CYCLES)
+        end.record()
+        end.synchronize()
+        self.cycles_per_s = self.CALIBRATION_CYCLES / (start.elapsed_time(end) / 1e3)
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            self._torch.cuda._sleep(int(seconds * self.cycles_per_s))
+
+    def drain(self) -> None:
+        self._torch.cuda.current_stream(self.device).synchronize()
 
 
 def shared_table_path(tag: str) -> str:

@@ -2,8 +2,10 @@
 of RRFP on real megatron-core models, side by side in one run, under the *same* seeded
 run-time variability (emulation.py), with the simulator's prediction printed beside.
 
-Local mode (default) spawns one gloo process per rank; under torchrun/SLURM (WORLD_SIZE
-set) each process runs one rank itself, on GPUs with NCCL.
+Local mode (default) starts one gloo process per rank on this host's CPUs (they see no GPU);
+``--device cuda`` starts one rank per GPU over NCCL through torch's launcher, the emulated
+device time a sleep kernel on each rank's compute stream. Under torchrun/SLURM (WORLD_SIZE
+set) each process runs one rank itself, on its device.
 
 Formulas, per measured iteration (wall = slowest rank, between two barriers):
   bubble fraction = 1 - sum over ranks of busy time / (ranks x wall), busy = F/B/W spans
@@ -111,6 +113,8 @@ class BenchConfig:
     """multimodal: LLaVA's image side (--img-h); one image of (image_size / patch_dim)^2
     tokens per sample instead of the recipe's default images (bench/stages.py)."""
     patch_dim: int = 14
+    device: str = "cpu"
+    """cpu: gloo ranks on this host's CPUs, CUDA hidden from them; cuda: one rank per GPU over NCCL."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "pipeline_size": integer(2, 256), "num_chunks": integer(1, 16), "tensor_parallel": integer(1, 64),
@@ -150,6 +154,8 @@ class BenchConfig:
             raise ValueError(f"--schedules: unknown {unknown}; available: {', '.join(BENCH_SCHEDULES)}")
         if "megatron-1f1b" not in self.schedules:
             raise ValueError("--schedules must include megatron-1f1b: speedups are measured against it")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
         if self.pipeline_size < 2:
             raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
         if self.model not in ("gpt", "hybrid", "multimodal"):
@@ -179,6 +185,11 @@ class BenchConfig:
             if os.environ["WORLD_SIZE"] != str(world):
                 raise ValueError(f"--pp x --tp x --dp = {world} ranks, but the launcher started WORLD_SIZE="
                                  f"{os.environ['WORLD_SIZE']}")
+        elif self.device == "cuda":
+            visible = _visible_gpus()
+            if visible < world:
+                raise ValueError(f"--device cuda runs one rank per GPU: --pp x --tp x --dp = {world} GPUs needed, "
+                                 f"{visible} visible; leave out --device cuda to run the ranks on CPU")
         elif world > self.MAX_LOCAL_RANKS:
             raise ValueError(f"--pp x --tp x --dp = {world} local ranks; at most {self.MAX_LOCAL_RANKS} run on one "
                              "host (use torchrun / srun for more)")
@@ -213,6 +224,12 @@ class BenchConfig:
         return bench_runs(self.schedules, self.buffer_limit)
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 # -- what each rank runs --------------------------------------------------------------
 
 def run_order(runs: Sequence[BenchRun], iterations: int, interleave: bool) -> list[tuple[BenchRun, int]]:
@@ -245,11 +262,16 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     from .emulation import DeviceTimeEmulator, SendTimeTable
     from .hooks import count_in_flight, count_received, force_whole_stage_agreement
 
-    enable_cpu_reference_schedules()  # a no-op where CUDA is available
+    enable_cpu_reference_schedules()  # a no-op in a rank on CUDA
+    device = pipeline_device()
     stage_index = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     topology = Topology(pp, config.num_chunks)
     stage, forward_step, data = build_stage(config)
+    if device.type == "cuda":  # built on CPU (the same weights on any device), then moved
+        for chunk in (stage if isinstance(stage, list) else [stage]):
+            chunk.to(device)
+        data = _on_device(data, device)
     stage = with_ddp(config, stage)
     parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
     megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
@@ -257,7 +279,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     table = SendTimeTable(table_path, pp, config.num_chunks, config.num_microbatches, create=False) \
         if table_path else None
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
-                                  table=table).install()
+                                  table=table, device=device).install()
     emulator.comm = comm = comm_emulator(config, stage)  # None without emulated DP / expert communication
     if config.whole_stage_agreement:
         force_whole_stage_agreement()
@@ -299,9 +321,9 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
                       num_microbatches=config.num_microbatches, seq_length=config.seq_length,
                       micro_batch_size=config.micro_batch_size)
         dist.barrier()
-        if torch.cuda.is_available() and pipeline_device().type == "cuda":
+        if device.type == "cuda":
             # a measurement: both schedules' meters then read this call's own peak exactly
-            torch.cuda.reset_peak_memory_stats(pipeline_device())
+            torch.cuda.reset_peak_memory_stats(device)
         ledger_iteration += 1
         recorder.iteration_start(ledger_iteration)
         cpu = (time.process_time(), time.thread_time())
@@ -331,6 +353,8 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             memory["byte_weights"] = report.byte_weights  # the last call's: the simulation models it
         if comm is not None:
             comm.after_call()  # the step's all-gathers without --overlap-param-gather
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # CPU-GPU sync point: the wall time includes the device's work
         elapsed = time.time() - start
         # CPU seconds of this process's other threads (transport, delivery, gloo) meanwhile
         other_cpu = (time.process_time() - cpu[0]) - (time.thread_time() - cpu[1])
@@ -370,6 +394,20 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     return results
 
 
+def _on_device(data, device):
+    """``data(seed)`` with every tensor of every micro-batch moved to ``device``."""
+    def move(batch):
+        return {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in batch.items()} \
+            if isinstance(batch, dict) else batch
+
+    def on_device(seed: int):
+        iterators = data(seed)
+        if isinstance(iterators, list):
+            return [map(move, it) for it in iterators]
+        return map(move, iterators)
+    return on_device
+
+
 # -- the parent: launch, progress, report ---------------------------------------------
 
 def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
@@ -377,12 +415,13 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     os.makedirs(config.out_dir, exist_ok=True)
     world = config.pipeline_size * config.tensor_parallel * config.data_parallel
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun / srun: we are one rank
-        per_rank = [_run_in_this_process(config)]
+        per_rank = _run_in_this_process(config)
+        if not per_rank:
+            return {}  # rank 0 gathered every rank's figures and reports them
     else:
         per_rank = _run_locally(config, world, progress)
     report = summarize(config, per_rank)
-    if int(os.environ.get("RANK", 0)) == 0:
-        _write_outputs(config, report, per_rank)
+    _write_outputs(config, report, per_rank)
     return report
 
 
@@ -402,11 +441,14 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
 
     def work() -> None:
         try:
-            box["results"] = launch(bench_rank, world_size=world, tp=config.tensor_parallel,
-                                    pp=config.pipeline_size, ep=config.workload.expert_parallel,
-                                    timeout=config.timeout_s,
-                                    vpp=config.num_chunks if config.num_chunks > 1 else None,
-                                    args=(config, progress_path, table_path))
+            if config.device == "cuda":
+                box["results"] = _run_with_torch_launcher(config, world, progress_path, table_path)
+            else:
+                box["results"] = launch(bench_rank, world_size=world, tp=config.tensor_parallel,
+                                        pp=config.pipeline_size, ep=config.workload.expert_parallel,
+                                        timeout=config.timeout_s,
+                                        vpp=config.num_chunks if config.num_chunks > 1 else None,
+                                        args=(config, progress_path, table_path))
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
@@ -458,27 +500,89 @@ def _termination_as_exit():
             signal.signal(sig, handler)
 
 
-def _run_in_this_process(config: BenchConfig) -> dict:
+def _run_with_torch_launcher(config: BenchConfig, world: int, progress_path: str, table_path: str) -> list[dict]:
+    """``--device cuda``: one rank per GPU, started by torch's launcher (``python -m
+    torch.distributed.run --standalone``) running this module; every rank's figures back.
+    (With ``device="cpu"`` the same path on gloo ranks: how the tests exercise it without GPUs.)"""
+    import pickle
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    run_dir = tempfile.mkdtemp(prefix="rrfp-bench-")
+    try:
+        with open(os.path.join(run_dir, "config.pkl"), "wb") as handle:
+            pickle.dump((config, progress_path, table_path), handle)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc-per-node", str(world), "--module", __name__, run_dir]
+        from ..dist.env import HIDDEN_CUDA
+
+        env = dict(os.environ)
+        if config.device == "cpu":  # gloo ranks: no GPU (env.hide_cuda), loopback (containers' hostnames)
+            env.update(HIDDEN_CUDA)
+            if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
+                env["GLOO_SOCKET_IFNAME"] = "lo"
+        with subprocess.Popen(command, env=env) as ranks:
+            try:
+                status = ranks.wait(timeout=config.timeout_s)
+            finally:
+                if ranks.poll() is None:  # timed out, or this thread is being torn down
+                    ranks.terminate()
+                    try:
+                        ranks.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        ranks.kill()
+        if status:
+            raise RuntimeError(f"bench --device cuda: torch's launcher exited with status {status} (the failed "
+                               "rank's error is above)")
+        with open(os.path.join(run_dir, "results.pkl"), "rb") as handle:
+            return pickle.load(handle)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"bench --device cuda: not finished after --timeout {config.timeout_s:g} s") from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_in_this_process(config: BenchConfig, progress_path: Optional[str] = None,
+                         table_path: Optional[str] = None) -> list[dict]:
+    """One rank of a job whose ranks torchrun / srun started: NCCL on its GPU with ``--device
+    cuda``, else gloo. Returns every rank's figures on rank 0, [] elsewhere."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
+    if config.variability_model().c50 and table_path is None:
+        raise ValueError("message-latency emulation needs the ranks on one host, started by `megatron-rrfp bench` "
+                         "itself (it shares send times through /dev/shm); under your own torchrun use "
+                         "--variability j0 or real hardware variability")
+    if config.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if config.device == "cuda" else "gloo")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel, pipeline_model_parallel_size=config.pipeline_size,
         virtual_pipeline_model_parallel_size=config.num_chunks if config.num_chunks > 1 else None,
         expert_model_parallel_size=config.workload.expert_parallel)
-    if config.variability_model().c50:
-        raise ValueError("message-latency emulation needs the local launcher (it shares send times through "
-                         "/dev/shm); under torchrun use --variability j0 or real hardware variability")
     try:
-        return bench_rank(config)
+        figures = bench_rank(config, progress_path, table_path)
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(figures, everyone, dst=0)
+        return everyone or []
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _rank_of_torch_launcher(run_dir: str) -> None:
+    """``python -m megatron_rrfp.bench.run RUN_DIR``: one rank of ``_run_with_torch_launcher``."""
+    import pickle
+
+    with open(os.path.join(run_dir, "config.pkl"), "rb") as handle:
+        config, progress_path, table_path = pickle.load(handle)
+    per_rank = _run_in_this_process(config, progress_path, table_path)
+    if per_rank:
+        with open(os.path.join(run_dir, "results.pkl"), "wb") as handle:
+            pickle.dump(per_rank, handle)
 
 
 def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> None:
@@ -507,3 +611,11 @@ def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> N
                          f"{config.variability} (last iteration)")
     if "tradeoff" in report:
         plot_tradeoff(report["tradeoff"], os.path.join(config.out_dir, "tradeoff.png"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    from megatron_rrfp.bench.run import _rank_of_torch_launcher as rank_main  # the imported module, not __main__
+
+    rank_main(sys.argv[1])

@@ -116,15 +116,13 @@ def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) 
     """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
     bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
     after-loop choice (``mcore/dp_overlap.py``) as DP communication at the end."""
-    import torch
-
     from ..mcore.dp_overlap import AFTER_LOOP, dp_communication_of_layout
     from ..sim.dp_comm import DPComm, iteration_time
     from ..sim.simulator import simulate
 
     after_loop = rrfp and dp_communication_of_layout(
         overlap=config.overlap_grad_reduce or config.overlap_param_gather, num_chunks=topology.num_chunks,
-        device_type="cuda" if torch.cuda.is_available() else "cpu", data_parallel_size=config.data_parallel,
+        device_type=config.device, data_parallel_size=config.data_parallel,
         choice=config.dp_overlap) == AFTER_LOOP
     trace = simulate(arbiter_config, topology, config.num_microbatches, realization, record_trace=True).trace
     comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,

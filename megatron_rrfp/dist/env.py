@@ -16,8 +16,27 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, TextIO
+from typing import Optional, TextIO
+
+HIDDEN_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
+"""What a CPU run's processes get on a GPU host: no visible CUDA device (see ``hide_cuda``)."""
+
+
+def hide_cuda(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make this process (and every process it starts) see no CUDA device: a CPU run on a GPU host.
+
+    Must happen before torch first asks the driver for the device count: torch keeps that
+    count for the life of the process, and a fork inherits it, so a later empty
+    CUDA_VISIBLE_DEVICES would not stop ``torch.cuda.is_available()`` from answering True
+    and megatron-core from putting its buffers on CUDA."""
+    environ.update(HIDDEN_CUDA)
+
+
+def cuda_hidden(environ: Mapping[str, str] = os.environ) -> bool:
+    """True where CUDA_VISIBLE_DEVICES hides every device (``hide_cuda``, or a user's empty value)."""
+    return environ.get("CUDA_VISIBLE_DEVICES") == ""
 
 
 def print_line(text: str, file: Optional[TextIO] = None) -> None:

@@ -7,22 +7,17 @@ as torchrun would: ``dist/forked.py`` on CPU, ``dist/torchrun.py`` on GPUs.)
     from megatron_rrfp.dist.launcher import launch
     values = launch(check_ranks, world_size=4, tp=2, timeout=60)   # pp = 4 // (2*1) = 2
 
-Each rank is a fresh process that inherits nothing from the launching process's state.
-On a host without CUDA it is forked from multiprocessing's fork server, which imported
-torch and megatron-core once (``_PRELOAD``): importing megatron-core costs ~10 s of CPU
-per process (it pulls in torch._dynamo and torch._inductor), which made start-up, not
-work, most of a short 4-rank run on a 2-core machine. The server is a single-threaded
-process that has never run a tensor op, so forking it is safe; it is started on the first
-launch and exits after the launching process. Where CUDA is available each rank is a
-'spawn' process instead (a fork must not inherit an initialised CUDA driver, and the GPU
-host has the cores to import in parallel). With a CUDA build of torch on a host without
-a GPU (what a plain ``pip install torch`` gives), importing megatron-core in the server asks
-the driver for the device count (finding none, initialising nothing), and torch then
-flags every forked rank so that any CUDA call in it raises "Cannot re-initialize CUDA in
-forked subprocess"; none is reached, because ``mcore/cpu.py`` redirects megatron-core's
-CUDA calls on such hosts. The children get the launcher's environment
-as it is at each call, under either start method; only modules the server preloaded saw
-the environment of the first launch.
+Each rank is a fresh process that inherits nothing from the launching process's state, and
+sees no CUDA device: the ranks are gloo ranks, and on a GPU host megatron-core would otherwise
+put its buffers on CUDA (``env.hide_cuda``). Each is forked from multiprocessing's fork server,
+which imported torch and megatron-core once (``_PRELOAD``): importing megatron-core costs
+~10 s of CPU per process (it pulls in torch._dynamo and torch._inductor), which made
+start-up, not work, most of a short 4-rank run on a 2-core machine. The server is a fresh,
+single-threaded interpreter started with CUDA hidden (``start_fork_server``), which has never
+run a tensor op nor counted CUDA devices, so forking it is safe whatever the launching
+process did with its own GPU; it is started on the first launch and exits after the
+launching process. The children get the launcher's environment as it is at each call; only
+modules the server preloaded saw the environment of the first launch.
 It joins a gloo process group through a TCPStore that *this* process hosts on 127.0.0.1
 (port chosen by the OS, so concurrent launches never race for a port), optionally calls
 megatron-core's ``initialize_model_parallel``, runs ``fn(*args, **kwargs)`` and sends
@@ -49,9 +44,9 @@ import threading
 import time
 import traceback
 
-from .env import die_with_parent
+from .env import HIDDEN_CUDA, die_with_parent, hide_cuda
 
-__all__ = ["DistributedTestFailure", "RankOutcome", "launch"]
+__all__ = ["DistributedTestFailure", "RankOutcome", "launch", "start_fork_server"]
 
 # How long the other ranks get to finish (usually: fail too) after the first rank fails.
 GRACE_PERIOD_S = 10.0
@@ -61,8 +56,8 @@ _TAIL_LINES = 30
 _TAIL_CHARS = 4000
 _HOST = "127.0.0.1"
 # What the fork server imports once for all ranks: what every rank imports anyway.
-_PRELOAD = ("megatron_rrfp.dist.rank_filters", "torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
-            "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
+_PRELOAD = ("megatron_rrfp.dist.rank_filters", "torch", "torch.distributed", "megatron.core",
+            "megatron.core.parallel_state", "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
             "megatron.core.distributed", "megatron.core.optimizer")
 
 
@@ -156,8 +151,8 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
     ``env`` adds to the children's environment (which already has OMP_NUM_THREADS=1).
     Raises ``DistributedTestFailure`` if any rank raises, dies or outlives ``timeout``
     seconds; raises ``ValueError`` for an impossible layout before starting anything.
-    ``start_method`` ('spawn' or 'forkserver') overrides the choice the module docstring
-    describes.
+    ``start_method='spawn'`` starts each rank as a fresh interpreter instead of a fork of the
+    fork server (slower; the ranks still see no CUDA device).
     """
     pp = _check_layout(world_size=world_size, tp=tp, pp=pp, cp=cp, vpp=vpp)
     if ep < 1 or (world_size // (tp * pp)) % ep:
@@ -179,10 +174,10 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
     procs: list = []
     launcher_alive = None  # under 'forkserver': (read end for the ranks, our write end)
     try:
-        start_method = start_method or _default_start_method()
+        start_method = start_method or "forkserver"
         ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once the server runs
+            start_fork_server()
             launcher_alive = ctx.Pipe(duplex=False)
         for rank in range(world_size):
             spec = _RankSpec(rank=rank, world_size=world_size, parent_pid=os.getpid(),
@@ -221,11 +216,23 @@ def _check_layout(*, world_size: int, tp: int, pp: int | None, cp: int, vpp: int
     return pp
 
 
-def _default_start_method() -> str:
-    import torch
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server once per process, preloading ``_PRELOAD`` with CUDA
+    hidden from it (and so from every process forked from it), whatever this process's own
+    environment says; a no-op while it runs."""
+    from multiprocessing import forkserver
 
-    # On a CUDA host the parent may initialise the driver; only 'spawn' is safe there.
-    return "spawn" if torch.cuda.is_available() else "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
+    saved = {name: os.environ.get(name) for name in HIDDEN_CUDA}
+    hide_cuda()  # the server is exec'd with this process's environment at this moment
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _child_env(extra: dict | None) -> dict:
@@ -239,6 +246,7 @@ def _child_env(extra: dict | None) -> dict:
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    env.update(HIDDEN_CUDA)  # gloo ranks: a CUDA device they could see would draw megatron-core's buffers to it
     return env
 
 

@@ -56,8 +56,16 @@ def _accepted(func, kwargs: dict) -> dict:
 
 
 def pipeline_device() -> torch.device:
-    """Where activations live: the current CUDA device, else CPU (gloo)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """Where this rank's activations live: its current CUDA device under an NCCL process group,
+    CPU under gloo (a CPU run on a GPU host included: gloo cannot send CUDA tensors). Before
+    any process group exists: CUDA where this process sees a device."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        on_cuda = "nccl" in str(dist.get_backend())  # "nccl", or "cpu:gloo,cuda:nccl"
+    else:
+        on_cuda = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
 
 def get_model_config(model):

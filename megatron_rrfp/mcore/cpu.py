@@ -2,7 +2,7 @@
 
 They are the reference the executor is checked against and what ``bench`` measures RRFP
 against; a few hard-coded CUDA calls stand in the way (listed below, per module).
-Process-local and idempotent; nothing happens where CUDA is available.
+Process-local and idempotent; nothing happens in a rank that runs on CUDA (an NCCL group).
 """
 from __future__ import annotations
 
@@ -77,13 +77,14 @@ def enable_cpu_reference_schedules() -> bool:
     Covers ``forward_backward_no_pipelining``,
     ``forward_backward_pipelining_without_interleaving`` and
     ``forward_backward_pipelining_with_interleaving``. Process-local and idempotent;
-    does nothing (returns False) when CUDA is available. Returns True once active.
+    does nothing (returns False) in a rank that runs on CUDA (``compat.pipeline_device``:
+    an NCCL group, or a visible device before any group). Returns True once active.
 
     Interleaved schedule at PP=2: use ``config.batch_p2p_comm=False`` (or
     ``overlap_p2p_comm=True``); with batched p2p it silently computes wrong gradients.
     """
     global _enabled
-    if torch.cuda.is_available():
+    if runs_on_cuda():
         return False
     if _enabled:
         return True
@@ -99,6 +100,12 @@ def enable_cpu_reference_schedules() -> bool:
     _define_missing_te_names()
     _enabled = True
     return True
+
+
+def runs_on_cuda() -> bool:
+    from .compat import pipeline_device
+
+    return pipeline_device().type == "cuda"
 
 
 def cpu_redirected_modules() -> tuple[str, ...]:
@@ -278,7 +285,7 @@ def _disable_cuda_rng_fork() -> None:
 def enable_cpu_optimizer() -> None:
     """megatron-core's get_megatron_optimizer (and grad clipping) on a CPU-only host."""
     if not enable_cpu_reference_schedules():
-        return  # CUDA is available: nothing to bend
+        return  # a rank on CUDA: nothing to bend
     importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
         _clip_grad_by_total_norm
 
@@ -290,9 +297,9 @@ def cpu_tensor_types_named_as_cuda():
     Its constructor sorts parameters by their ``param.type()`` string and accepts only
     'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor' / 'torch.cuda.HalfTensor'; a CPU
     parameter's string lacks 'cuda.'. For the duration, ``Tensor.type()`` (no arguments) of a
-    CPU tensor answers with the CUDA name; nothing else changes. A no-op where CUDA is available.
+    CPU tensor answers with the CUDA name; nothing else changes. A no-op in a rank on CUDA.
     """
-    if torch.cuda.is_available():
+    if runs_on_cuda():
         yield
         return
     original = torch.Tensor.type

@@ -10,7 +10,13 @@ import time
 
 import torch
 
-from ..mcore.cpu import FACTORIES, cpu_factory, cpu_tensor_types_named_as_cuda, enable_cpu_reference_schedules
+from ..mcore.cpu import (
+    FACTORIES,
+    cpu_factory,
+    cpu_tensor_types_named_as_cuda,
+    enable_cpu_reference_schedules,
+    runs_on_cuda,
+)
 from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
 
 # --------------------------------------------------------------------------- CPU training (launcher --cpu)
@@ -52,12 +58,12 @@ _cpu_training = False
 def enable_cpu_training() -> bool:
     """Make Megatron-LM's CUDA assumptions run on CPU (see the section comment).
 
-    Process-wide and idempotent; returns False (and changes nothing) when CUDA is
-    available. Call before the entry script runs; megatron.training hooks apply only if
-    megatron.training is importable.
+    Process-wide and idempotent; returns False (and changes nothing) in a process on CUDA
+    (``launch --cpu`` hides the devices first). Call before the entry script runs;
+    megatron.training hooks apply only if megatron.training is importable.
     """
     global _cpu_training
-    if torch.cuda.is_available():
+    if runs_on_cuda():
         return False
     if _cpu_training:
         return True

@@ -8,7 +8,8 @@ options come before it. The script runs as ``__main__`` with the same ``sys.argv
 ``sys.path[0]`` that ``python SCRIPT ...`` would give it, so it imports its neighbours
 (gpt_builders.py, model_provider.py) and its checkout's ``megatron`` package as usual.
 
-``--cpu`` (or ``RRFP_CPU=1``) trains on a host without CUDA over gloo: CUDA device,
+``--cpu`` (or ``RRFP_CPU=1``) trains on CPU over gloo, on a GPU host too (the process then
+sees no CUDA device, hidden before anything imports torch): CUDA device,
 stream, event, RNG and synchronize calls are redirected to CPU equivalents,
 ``torch.cuda.device_count()`` reports 1, the device properties Megatron asks for at TP > 1
 describe a "cpu" device, ``initialize_megatron`` gets ``allow_no_cuda=True`` and no fused
@@ -76,11 +77,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = [script, *opts.script_args]
     sys.path.insert(0, os.path.dirname(script))
 
-    from .cpu_training import enable_cpu_training
+    if opts.cpu:
+        from ..dist.env import hide_cuda
+
+        hide_cuda()  # before megatron (or anything) asks torch for the device count
+        from .cpu_training import enable_cpu_training
+
+        enable_cpu_training()
     from .install import install
 
-    if opts.cpu and not enable_cpu_training():
-        print("megatron-rrfp: --cpu ignored: CUDA is available on this host", file=sys.stderr)
     install()
     runpy.run_path(script, run_name="__main__")
 

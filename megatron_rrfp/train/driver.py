@@ -144,7 +144,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def setup(cfg: TrainConfig):
     """Process group, megatron parallel state, seeds; returns (device, dp_size)."""
     if cfg.cpu:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
+        distenv.hide_cuda()  # a rank torchrun / srun started: before anything counts CUDA devices
     if "TORCHELASTIC_RUN_ID" in os.environ:
         distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed (forked ranks set it)
     env = distenv.detect()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from ..dist.env import HIDDEN_CUDA
 from .config import TrainConfig, check_layout, to_argv
 
 RANK_MODULE = "megatron_rrfp.train"
@@ -21,7 +22,7 @@ RANK_IMPORTS = ("torch", "torch.distributed", "megatron.core", "megatron.core.pa
 def start_local_ranks(config: TrainConfig) -> int:
     """Run ``config.nproc`` ranks; 0, or the first failed rank's status, shell-style."""
     check_layout(config, config.nproc)  # fail before starting anything
-    env = {"CUDA_VISIBLE_DEVICES": ""} if config.cpu else {}
+    env = dict(HIDDEN_CUDA) if config.cpu else {}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     if config.cpu:

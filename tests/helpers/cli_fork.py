@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
-from megatron_rrfp.dist.launcher import _PRELOAD as FORK_SERVER_PRELOAD  # one server shape, whoever starts it
+from megatron_rrfp.dist.launcher import start_fork_server  # one server (CUDA hidden), whoever starts it
 
 FOLLOW_INTERVAL_S = 0.02
 
@@ -46,8 +46,8 @@ class Command:
         self.stderr_path = self.stdout_path if merge_stderr else os.path.join(self._dir, "stderr")
         for path in {self.stdout_path, self.stderr_path}:
             open(path, "w").close()  # there to be read from the start
+        start_fork_server()
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # no effect once the server runs
         self._process = ctx.Process(target=_command_main, name="rrfp-cli",
                                     args=(self.argv, dict(env), os.getcwd(), self.stdout_path, self.stderr_path))
         self._lock = threading.Lock()
