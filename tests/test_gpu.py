@@ -124,6 +124,28 @@ def test_selfcheck_without_cuda_says_so_and_exits_cleanly():
     assert "no CUDA device is visible" in run.stdout and "torchrun --nproc-per-node" in run.stdout
 
 
+def test_queue_serialization_probe_fails_when_its_clock_is_not_real():
+    """The probe's verdict from its figures (device seconds by CUDA events, the host's clock,
+    the calibrated sleep's clock rate): a sleep that took no device time, a host that did not
+    wait for the kernel, or a clock far from the device's nominal one is a FAIL, not a verdict."""
+    from megatron_rrfp.verify.selfcheck import _SERIALIZATION_PROBE, judge_serialization_probe
+
+    compile(_SERIALIZATION_PROBE, "probe", "exec")
+    real = dict(requested_s=0.5, cycles=990_000_000, rate_hz=1.98e9, nominal_hz=1.98e9, kernel_s=0.501,
+                b_s=0.501, host_s=0.503)
+    serialized = judge_serialization_probe(real, "GPU 0")
+    assert serialized.status == "PASS" and "one hardware queue" in serialized.detail
+    assert "ran 0.501 s by CUDA events" in serialized.detail
+    concurrent = judge_serialization_probe({**real, "b_s": 0.0001}, "GPU 0")
+    assert concurrent.status == "PASS" and "did not serialize" in concurrent.detail
+    for broken, words in (({"kernel_s": 0.0, "host_s": 0.0, "b_s": 0.0}, "ran 0.000 s by CUDA events"),
+                          ({"host_s": 0.001}, "the host waited 0.001 s"),
+                          ({"rate_hz": 4e10}, "outside 0.40-2.38 GHz"),
+                          ({"nominal_hz": 0, "rate_hz": 2e10}, "outside 0.10-5.00 GHz")):
+        result = judge_serialization_probe({**real, **broken}, "GPU 0")
+        assert result.status == "FAIL" and words in result.detail, (broken, result)
+
+
 def test_selfcheck_parses_imports_and_refuses_unknown_steps():
     compile(SCRIPT.read_text(encoding="utf-8"), str(SCRIPT), "exec")
     from megatron_rrfp.verify import selfcheck, selfcheck_gpt, selfcheck_loopback  # noqa: F401
