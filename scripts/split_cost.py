@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """What the B/W split costs one pipeline stage, measured on this host's device (CUDA if present).
 
-    python scripts/split_cost.py [--hidden-size 4096] [--num-layers 2] [--seq-length 2048]
-        [--micro-batch-size 1] [--microbatches 4] [--repeats 5] [--bf16] [--json PATH]
+    python scripts/split_cost.py [--device auto|cpu|cuda] [--hidden-size 4096] [--num-layers 2]
+        [--seq-length 2048] [--micro-batch-size 1] [--microbatches 4] [--repeats 5] [--bf16] [--json PATH]
 
 A middle stage of megatron-core's GPTModel (local spec: the linears rrfp's split defers), in
-one process, no pipeline around it. Per microbatch, the device synchronised around each phase:
+one process, no pipeline around it, on ``--device`` (``auto``: CUDA where a GPU is visible,
+said in the first line; ``cuda`` refuses without one). Per microbatch, the device synchronised around each phase:
 
   F, B      megatron-core's forward and backward_step (weight gradients in B), as Megatron's
             1F1B runs them; before rrfp's split is installed
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=4, help="per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats, after one warm-up")
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA where a GPU is visible, else the CPU")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = parser.parse_args(argv)
     heads = args.num_attention_heads or max(1, args.hidden_size // 128)
@@ -46,6 +49,13 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.hidden_size % heads:
         parser.error(f"--hidden-size {args.hidden_size} must be a multiple of --num-attention-heads {heads}")
+    import torch
+
+    visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if args.device == "cuda" and not visible:
+        parser.error("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False); "
+                     "use --device cpu")
+    args.cuda = args.device == "cuda" or (args.device == "auto" and visible)
 
     from megatron_rrfp.quiet import announce, for_entry_point
 
@@ -67,7 +77,7 @@ def measure(args, heads: int) -> dict:
     from megatron_rrfp.mcore import compat, wgrad
     from megatron_rrfp.train import models
 
-    cuda = torch.cuda.is_available()
+    cuda = args.cuda
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
