@@ -4,7 +4,7 @@ readiness-first ones once per limit, the trade-off section and picture are writt
 1x no RRFP schedule holds more forwards in flight than Megatron's own. It runs as a shell
 user runs it (a subprocess, so a fresh fork server), which also checks the command's
 output: megatron-core's dependency warnings (Apex / Transformer Engine missing, its
-deprecation notes) replaced by one line, said before the progress bar (issue 23)."""
+deprecation notes) replaced by one line, said before the progress bar."""
 from __future__ import annotations
 
 import json
@@ -67,7 +67,10 @@ def test_bench_sweeps_buffer_limits_end_to_end(tmp_path):
         assert b["task_s"]["min"] >= b["device_s"]["min"] > 0 and b["host_cpu_s"]["median"] > 0, b
         assert b["task_time_vs_megatron"]["median"] > 0 and run["simulated_speedup_with_host_cost"] > 0, run
         assert run["gap_explanation"]
-    assert "where the time goes" in table
+    assert "--breakdown: where all the time goes" in table and "ms/task" not in table  # one plain line
+    from megatron_rrfp.bench.table import format_table
+
+    assert "ms/task" in format_table(report, breakdown=True)  # the whole breakdown, asked for
 
     tradeoff = report["tradeoff"]
     assert set(tradeoff["curve"]) == set(SCHEDULES)

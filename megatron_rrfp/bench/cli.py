@@ -57,6 +57,9 @@ def add_bench_parsers(sub) -> None:
         p.add_argument("--goodput-ledger", metavar="DB", default=None,
                        help="record every measured iteration in a goodput ledger (megatron-rrfp goodput DB)")
         p.add_argument("--timeout", type=bounds["--timeout"], default=1200.0, help="seconds before the run is killed")
+        p.add_argument("--breakdown", action="store_true",
+                       help="print where each schedule's time went (device, host, runtime, agreement, waits) "
+                            "instead of one line")
         p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                        help="cpu (default): one gloo process per rank on this host's CPUs, CUDA hidden from them; "
                             "cuda: one rank per GPU over NCCL (needs --pp x --tp x --dp GPUs), started by torch's "
@@ -124,7 +127,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     report = run_bench(config)
     if not report:
         return 0  # one rank of a job torchrun / srun started: rank 0 prints the table
-    print(format_table(report))
+    print(format_table(report, breakdown=args.breakdown))
     print(f"figures: {config.out_dir}/bench.json  timeline: {config.out_dir}/timeline.png  "
           + (f"trade-off: {config.out_dir}/tradeoff.png  " if "tradeoff" in report else "")
           + f"traces: {config.out_dir}/trace-*.json (open in ui.perfetto.dev)")

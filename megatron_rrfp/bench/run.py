@@ -260,7 +260,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     from ..sim.variability import sample_realization
     from .comm_emulation import comm_emulator
     from .emulation import DeviceTimeEmulator, SendTimeTable
-    from .hooks import count_in_flight, count_received, force_whole_stage_agreement
+    from .hooks import count_in_flight, count_received
 
     enable_cpu_reference_schedules()  # a no-op in a rank on CUDA
     device = pipeline_device()
@@ -281,8 +281,6 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
                                   table=table, device=device).install()
     emulator.comm = comm = comm_emulator(config, stage)  # None without emulated DP / expert communication
-    if config.whole_stage_agreement:
-        force_whole_stage_agreement()
     megatron_in_flight = count_in_flight()
     megatron_meter = ActivationMeter(pipeline_device(),
                                      persistent=model_tensors(stage if isinstance(stage, list) else [stage]))
@@ -342,8 +340,10 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
             breakdown, report = None, None
             measured = (megatron_meter.peak_bytes, megatron_in_flight.peak, None, megatron_meter.method)
         else:
+            # --whole-stage-agreement: lockstep, named, applies on CPU too (mcore/dp_overlap.py)
             options = RRFPConfig(arbiter=arbiter, timeout_s=config.timeout_s, record_spans=True,
-                                 transport=config.transport, dp_overlap=config.dp_overlap)
+                                 transport=config.transport, **emulator.rrfp_options(),
+                                 dp_overlap="lockstep" if config.whole_stage_agreement else config.dp_overlap)
             forward_backward_rrfp(rrfp_config=options, **kwargs)
             report = last_iteration_report()
             own_spans = report.spans
@@ -367,7 +367,7 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         if iteration >= config.warmup:
             own["walls"].append(float(wall))
             own["busy"].append(float(busy_total))
-            own["spans"] = own_spans
+            own["spans"].append(own_spans)
             own["tasks"].append({"by_kind": emulator.tally.as_dict(), "other_threads_cpu_s": other_cpu,
                                  "rank_wall_s": elapsed, "busy_s": compute, "executor": breakdown,
                                  "dp_wait_s": comm.exposed_s if comm is not None else 0.0})
@@ -385,13 +385,23 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         own = state[run.key]
         breakdowns = own["breakdowns"]
         results["runs"][run.key] = {"walls": own["walls"], "busy": own["busy"],
-                                     "spans": [asdict(s) for s in own["spans"]],
+                                     "spans": [asdict(s) for s in _median_iteration(own["walls"], own["spans"])],
                                      "breakdown": {name: statistics.median(b[name] for b in breakdowns)
                                                    for name in BREAKDOWN} if breakdowns else None,
                                      "tasks": own["tasks"], **own["memory"]}
     recorder.job_end()
     shutdown()
     return results
+
+
+def _median_iteration(walls: list[float], spans: list[list]) -> list:
+    """The spans of the measured iteration whose wall time is the median (the lower one of an
+    even count): what the timeline draws, rather than the last iteration, which a host's stall
+    can make an outlier. Walls are every rank's maximum, so all ranks pick the same iteration."""
+    if not spans:
+        return []
+    order = sorted(range(len(walls)), key=walls.__getitem__)
+    return spans[order[(len(order) - 1) // 2]]
 
 
 def _on_device(data, device):
@@ -608,7 +618,7 @@ def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> N
         timelines[label] = spans
     plot_timelines(timelines, os.path.join(config.out_dir, "timeline.png"),
                    title=f"measured: {config.model} PP={config.pipeline_size} M={config.num_microbatches} "
-                         f"{config.variability} (last iteration)")
+                         f"{config.variability} (median iteration)")
     if "tradeoff" in report:
         plot_tradeoff(report["tradeoff"], os.path.join(config.out_dir, "tradeoff.png"))
 

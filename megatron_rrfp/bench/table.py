@@ -4,7 +4,8 @@ schedule and buffer limit when `--buffer-limit` is a list)."""
 from __future__ import annotations
 
 
-def format_table(report: dict) -> str:
+def format_table(report: dict, *, breakdown: bool = False) -> str:
+    """The results table; ``breakdown`` adds where each schedule's time went (else one line)."""
     c = report["config"]
     sweep = "tradeoff" in report
     labels = [f"{r['schedule']}@{r['buffer_limit_spec']}" if sweep and r.get("buffer_limit_spec") else r["schedule"]
@@ -44,8 +45,22 @@ def format_table(report: dict) -> str:
             f"{label} sim+dp {r['simulated_iteration_time_s_with_dp_comm']:.3f} s, exposed "
             f"{(r.get('task_breakdown') or {}).get('dp_wait_s', {}).get('median', float('nan')):.3f} s/rank"
             for label, r in dp))
-    lines.extend(format_breakdown(report, labels, width))
+    lines.extend(format_breakdown(report, labels, width) if breakdown else summarize_breakdown(report, labels))
     return "\n".join(lines)
+
+
+def summarize_breakdown(report: dict, labels: list[str]) -> list[str]:
+    """One plain line: how long each schedule's ranks waited for ready work, and what its runtime
+    itself took (executor, arbitration loop, agreement) per iteration."""
+    parts = []
+    for label, r in zip(labels, report["runs"]):
+        b = r.get("task_breakdown")
+        if b:
+            own = sum(b[name]["median"] for name in ("executor_s", "runtime_s", "agree_s"))
+            parts.append(f"{label} waited {b['wait_s']['median']:.3f} s, its runtime took {own:.3f} s")
+    if not parts:
+        return []
+    return ["per iteration and rank (median): " + "; ".join(parts) + " (--breakdown: where all the time goes)"]
 
 
 def format_breakdown(report: dict, labels: list[str], width: int) -> list[str]:
