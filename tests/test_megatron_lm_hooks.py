@@ -1,4 +1,4 @@
-"""megatron_rrfp.megatron_lm_hooks: goodput ledger and traces around Megatron-LM's loop.
+"""megatron_rrfp.megatron_lm.hooks: goodput ledger and traces around Megatron-LM's loop.
 
     python -m pytest tests/test_megatron_lm_hooks.py -q          # a few seconds
 
@@ -383,3 +383,141 @@ def test_real_megatron_training_calls_the_wrapped_names_through_module_globals()
         hooks.detach()
     assert {name: getattr(training, name) for name in before} == before
     assert package.pretrain is before[names.entry]
+
+
+# -- Megatron-LM's CUDA graphs and paged stash under rrfp: refused at start, in one line ----------
+#
+# Every training CUDA graph Megatron-LM builds (core_v0.16.1 - 0.19) replays an order fixed before
+# the run, and the paged stash replays the order it recorded; rrfp decides its order at run time.
+# The refusal happens right after Megatron-LM's parser (megatron_lm/flags.py), before any rank
+# builds a process group. The namespaces below carry what each release's parser yields.
+
+def _rrfp_args(pp=2, schedule="rrfp", **megatron_flags):
+    from megatron_rrfp.megatron_lm.flags import add_rrfp_arguments
+
+    args = add_rrfp_arguments(argparse.ArgumentParser()).parse_args(["--pipeline-schedule", schedule])
+    for name, value in {"pipeline_model_parallel_size": pp, **megatron_flags}.items():
+        setattr(args, name, value)
+    return args
+
+
+def _scope(name):
+    from megatron.core.transformer.enums import CudaGraphScope  # both wheels: 0.19 keeps it, deprecated
+
+    return CudaGraphScope[name]
+
+
+# (what the flags resolve to, the namespace): 0.16.1 has cuda_graph_scope (CudaGraphScope members, or
+# "full"), 0.19 has cuda_graph_modules and --cuda-graph-scope's cuda_graph_scope_deprecated
+CUDA_GRAPH_CASES = {
+    "0.16-local-full-iteration": ("full_iteration", dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])),
+    "0.16-enable-full-iteration": ("full_iteration", dict(cuda_graph_impl="none", enable_cuda_graph=True,
+                                                          cuda_graph_scope=["full_iteration"])),
+    "0.16-scope-without-impl": ("none", dict(cuda_graph_impl="none", cuda_graph_scope=["full_iteration"])),
+    "0.16-local-per-layer": ("local", dict(cuda_graph_impl="local", cuda_graph_scope="full")),
+    "0.16-te-attn": ("transformer_engine", dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])),
+    "0.16-external": ("transformer_engine", dict(cuda_graph_impl="none", external_cuda_graph=True,
+                                                 cuda_graph_scope=[])),
+    "0.19-full-iteration": ("full_iteration", dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[])),
+    "0.19-modules-full-iteration": ("full_iteration", dict(cuda_graph_impl="none",
+                                                           cuda_graph_modules=["attn", "full_iteration"])),
+    "0.19-scope-full-iteration": ("full_iteration", dict(cuda_graph_impl="none", cuda_graph_modules=[],
+                                                         cuda_graph_scope_deprecated=["full_iteration"])),
+    "0.19-local": ("local", dict(cuda_graph_impl="local", cuda_graph_modules=[])),
+    "0.19-none": ("none", dict(cuda_graph_impl="none", cuda_graph_modules=[], cuda_graph_scope_deprecated=None,
+                               optimizer_cuda_graph=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDA_GRAPH_CASES))
+def test_cuda_graphs_are_refused_under_rrfp_in_one_line_naming_the_flag(case):
+    from megatron_rrfp.megatron_lm.flags import cuda_graph_capture, validate_rrfp_arguments
+
+    expected, flags = CUDA_GRAPH_CASES[case]
+    flags = {k: [_scope(s) if s in ("full_iteration", "attn") and k == "cuda_graph_scope" else s for s in v]
+             if isinstance(v, list) else v for k, v in flags.items()}
+    args = _rrfp_args(**flags)
+    impl, given = cuda_graph_capture(args)
+    assert impl == expected, (impl, given)
+    if expected == "none":
+        assert validate_rrfp_arguments(args) is not None  # inference-only / optimizer graphs: accepted
+        return
+    with pytest.raises(ValueError) as refused:
+        validate_rrfp_arguments(args)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"--pipeline-schedule rrfp does not support {given}:")
+    assert given and given.split()[0] in {"--cuda-graph-impl", "--enable-cuda-graph", "--external-cuda-graph",
+                                          "--cuda-graph-modules", "--cuda-graph-scope"}
+    reason = {"full_iteration": "FullCudaGraphWrapper", "local": "per-layer graphs",
+              "transformer_engine": "TECudaGraphHelper"}[expected]
+    assert reason in message and message.endswith("or use --pipeline-schedule 1f1b")
+    assert validate_rrfp_arguments(_rrfp_args(schedule="1f1b", **flags)) is None  # 1f1b: Megatron's, unchanged
+    assert validate_rrfp_arguments(_rrfp_args(pp=1, **flags)) is not None  # PP=1 runs Megatron's own schedule
+
+
+@pytest.mark.parametrize("flag, value, reason", [("moe_paged_stash", True, "order of forward and backward"),
+                                                 ("moe_expert_rank_capacity_factor", 1.5, "PagedStashRunner")])
+def test_paged_stash_is_refused_under_rrfp(flag, value, reason):
+    from megatron_rrfp.megatron_lm.flags import validate_rrfp_arguments
+
+    with pytest.raises(ValueError, match=rf"^--pipeline-schedule rrfp does not support --{flag.replace('_', '-')}: "
+                                         rf".*{reason}.*or use --pipeline-schedule 1f1b$"):
+        validate_rrfp_arguments(_rrfp_args(**{flag: value}))
+    assert validate_rrfp_arguments(_rrfp_args(schedule="1f1b", **{flag: value})) is None
+
+
+def test_uneven_pipeline_layout_is_accepted():
+    """--pipeline-model-parallel-layout: the executor runs the chunks Megatron builds, whatever their
+    layer counts (Megatron-LM's pretrain_gpt.py, 1 and 3 layers: test_megatron_lm_e2e.py)."""
+    from megatron_rrfp.megatron_lm.flags import validate_rrfp_arguments
+
+    assert validate_rrfp_arguments(_rrfp_args(pipeline_model_parallel_layout="Et|tttL")) is not None
+
+
+REAL_PARSER_REFUSALS = [  # Megatron-LM 0.19's own spellings, through its own parser
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration", "FullCudaGraphWrapper"),
+    (["--cuda-graph-modules", "full_iteration"], "--cuda-graph-modules full_iteration", "FullCudaGraphWrapper"),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl local", "per-layer graphs"),
+    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "mlp"],
+     "--cuda-graph-impl transformer_engine", "TECudaGraphHelper"),
+    (["--enable-cuda-graph"], "--enable-cuda-graph", "per-layer graphs"),
+    (["--moe-expert-rank-capacity-factor", "1.25"], "--moe-expert-rank-capacity-factor", "PagedStashRunner"),
+    (["--moe-paged-stash", "--moe-expert-rank-capacity-factor", "1.25"], "--moe-paged-stash", "order of forward"),
+]
+
+
+@pytest.mark.parametrize("flags, named, reason", REAL_PARSER_REFUSALS, ids=[r[1] for r in REAL_PARSER_REFUSALS])
+def test_real_megatron_parser_refuses_in_one_line_before_any_rank_starts(monkeypatch, capsys, flags, named, reason):
+    """install() hooks Megatron-LM's real parser; its parse_args exits 2 with one line on stderr."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    if not hasattr(arguments, "_parse_cuda_graph_modules_arg"):
+        pytest.skip("Megatron-LM before 0.19: the 0.19 spellings")
+    integration.uninstall()
+    integration.install()
+    try:
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", *flags,
+                                          "--pipeline-schedule", "rrfp"])
+        with pytest.raises(SystemExit) as exited:
+            arguments.parse_args()
+        assert not integration.routed()
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", *flags])
+        assert arguments.parse_args().pipeline_schedule == "1f1b"  # the same flags with 1f1b: Megatron's
+    finally:
+        integration.uninstall()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"error: --pipeline-schedule rrfp does not support {named}: " in lines[0] and reason in lines[0]
+
+
+def test_real_megatron_training_wraps_the_schedule_under_the_refused_flags():
+    """Why the refusals: Megatron-LM's train() wraps what get_forward_backward_func returns in
+    FullCudaGraphWrapper (--cuda-graph-impl full_iteration; 0.16.1: local + full_iteration scope)
+    and, from 0.19, in PagedStashRunner (--moe-expert-rank-capacity-factor)."""
+    import inspect
+
+    pytest.importorskip("megatron.training")
+    source = inspect.getsource(adapter.megatron_training_module().train)
+    assert "FullCudaGraphWrapper(" in source and "full_iteration" in source
+    if "PagedStashRunner" in vars(adapter.megatron_training_module()):
+        assert "PagedStashRunner(" in source and "moe_expert_rank_capacity_factor" in source

@@ -124,6 +124,14 @@ REFUSED_FLAGS = {
                          "which rrfp's agreement does not span",
     "use_torch_fsdp2": "FSDP all-gathers parameters over data-parallel ranks inside every forward and backward, "
                        "which rrfp's agreement does not span",
+    "moe_paged_stash": "the paged stash records the order of forward and backward passes in its first iterations "
+                       "(reset by Megatron's own schedules) and prefetches stashed activations along that order "
+                       "later, while rrfp's order changes from one iteration to the next; drop it or use "
+                       "--pipeline-schedule 1f1b",
+    "moe_expert_rank_capacity_factor": "Megatron-LM then wraps the schedule in PagedStashRunner (microbatches read "
+                                       "ahead, the whole schedule rerun when HybridEP's static budget overflows), "
+                                       "not verified under rrfp (HybridEP needs GPUs); drop it (dropless "
+                                       "dispatch) or use --pipeline-schedule 1f1b",
 }
 
 
@@ -134,11 +142,63 @@ def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:
         if getattr(args, flag, None) not in (None, False):
             raise ValueError(f"--pipeline-schedule rrfp does not support --{flag.replace('_', '-')}: {why}")
     pp = getattr(args, "pipeline_model_parallel_size", None)
+    if not isinstance(pp, int) or pp >= 2:  # at PP=1 Megatron's own schedule runs: its CUDA graphs work
+        check_cuda_graphs(args)
     if isinstance(pp, int) and pp >= 2:  # at PP=1 Megatron runs no pipeline schedule: the hint is unused
         try:
             config.arbiter.parsed_hint.orders(Topology(pp), 1)  # an explicit list must have one order per stage
         except HintError as exc:
             raise ValueError(f"--rrfp-hint: {exc}") from None
+
+
+# What each CUDA graph implementation captures in a fixed order (Megatron-LM core_v0.16.1 - 0.19):
+CUDA_GRAPH_REASONS = {
+    "full_iteration": "Megatron-LM wraps the schedule in FullCudaGraphWrapper, which captures one iteration's "
+                      "forward and backward passes as a single CUDA graph and replays that fixed order, while rrfp "
+                      "picks each stage's next task at run time",
+    "local": "megatron-core's per-layer graphs are captured per microbatch, in the first iteration's order, into "
+             "one shared memory pool (created by Megatron's own schedules at their end) and must replay in that "
+             "order, while rrfp's order changes from one iteration to the next",
+    "transformer_engine": "Transformer Engine's per-layer graphs (TECudaGraphHelper) are captured for the order of "
+                          "Megatron's own schedule table, with static buffers reused along that order, while rrfp's "
+                          "order changes from one iteration to the next",
+}
+
+
+def cuda_graph_capture(args) -> tuple[str, str]:
+    """(implementation, the flags that ask for it) of the training CUDA graphs Megatron-LM's parsed
+    flags will build, before its validate_args resolves them: "none", "local" /
+    "transformer_engine" (per layer) or "full_iteration" (the whole schedule). The deprecated
+    spellings count as Megatron-LM resolves them: --enable-cuda-graph is local,
+    --external-cuda-graph transformer_engine, a "full_iteration" scope the whole schedule (0.16.1:
+    --cuda-graph-impl local --cuda-graph-scope full_iteration; 0.19: either scope flag, any impl)."""
+    impl = getattr(args, "cuda_graph_impl", None) or "none"
+    given = [f"--cuda-graph-impl {impl}"] if impl != "none" else []
+    for flag, deprecated_impl in (("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")):
+        if getattr(args, flag, False) is True:
+            impl = deprecated_impl
+            given.append(f"--{flag.replace('_', '-')}")
+    migrates = hasattr(args, "cuda_graph_modules")  # 0.19: a full_iteration scope selects the implementation
+    for flag, name in (("cuda_graph_modules", "--cuda-graph-modules"), ("cuda_graph_scope_deprecated",
+                                                                         "--cuda-graph-scope"),
+                       ("cuda_graph_scope", "--cuda-graph-scope")):
+        scopes = getattr(args, flag, None)
+        scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
+        if any(getattr(scope, "name", scope) == "full_iteration" for scope in scopes) and (
+                migrates or impl == "local"):
+            impl = "full_iteration"
+            given.append(f"{name} full_iteration")
+    return impl, " ".join(dict.fromkeys(given))
+
+
+def check_cuda_graphs(args) -> None:
+    """Refuse training CUDA graphs under rrfp: every implementation Megatron-LM has captures work
+    in an order fixed before the run (``CUDA_GRAPH_REASONS``). Inference-only graphs and
+    --optimizer-cuda-graph (the optimizer step, after the schedule returns) are not refused."""
+    impl, given = cuda_graph_capture(args)
+    if impl in CUDA_GRAPH_REASONS:
+        raise ValueError(f"--pipeline-schedule rrfp does not support {given}: {CUDA_GRAPH_REASONS[impl]}; "
+                         "drop it (--cuda-graph-impl none) or use --pipeline-schedule 1f1b")
 
 
 def _rrfp_flags_set(args: argparse.Namespace) -> bool:
