@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the whole-stage agreement's lock-step costs, simulated (issue 29), against the other safe choice.
+"""What the whole-stage agreement's lock-step costs, simulated, against the other safe choice.
 
     python scripts/lockstep_cost.py [--pp 2,4,8] [--chunks 2] [--dp 2] [--variability j1,j2,j3]
         [--microbatches-per-stage 2] [--seeds 20] [--reduce 0.5] [--gather 0.5] [--buckets 2]

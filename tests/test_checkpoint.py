@@ -133,7 +133,7 @@ def test_a_foreign_tensor_file_and_a_garbled_tracker_are_clear_errors(tmp_path, 
 
 
 def test_a_resume_with_another_hybrid_pattern_is_refused_in_one_line(tmp_path, one_rank):
-    """Issue 31: the layout record holds --hybrid-layer-pattern (--model hybrid only, so a GPT
+    """The layout record holds --hybrid-layer-pattern (--model hybrid only, so a GPT
     checkpoint's record is unchanged); another pattern is refused before anything loads."""
     from megatron_rrfp.train.config import TrainConfig
     from megatron_rrfp.train.driver import checkpoint_layout

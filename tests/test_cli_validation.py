@@ -339,7 +339,7 @@ def no_warning_choice(monkeypatch):
 
 
 def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(capsys, no_warning_choice):
-    """Issue 23: only the CLI entry points hide megatron-core's known dependency warnings; a
+    """Only the CLI entry points hide megatron-core's known dependency warnings; a
     command run in-process puts the caller's filters, loggers and environment back."""
     import logging
     import warnings
@@ -378,7 +378,7 @@ def test_library_calls_leave_warning_filters_alone_and_commands_restore_them(cap
 @pytest.mark.parametrize("choice", [("env", "default"), ("env", "ignore"), ("env", "error::DeprecationWarning"),
                                     ("-W", "default"), ("-W", "always::UserWarning")])
 def test_a_callers_warning_choice_wins_and_the_suite_does_not_depend_on_it(monkeypatch, choice):
-    """Issue 31: the user's PYTHONWARNINGS / -W wins (nothing hidden, no variable for the ranks,
+    """The user's PYTHONWARNINGS / -W wins (nothing hidden, no variable for the ranks,
     no one-line note), and the quiet tests above pin the caller's setting themselves, so
     the suite passes under any of these (also run as ``PYTHONWARNINGS=default pytest``)."""
     import warnings

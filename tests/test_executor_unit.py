@@ -186,7 +186,7 @@ def test_delayed_messages_are_held_back_each_by_its_own_delay():
 
 
 def test_the_agreements_gather_uses_torchs_current_collective_without_a_warning():
-    """Issue 31: torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every
+    """torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every
     call, every TP run); the agreement's gather goes through all_gather_single."""
     import warnings
 
@@ -209,7 +209,7 @@ def test_the_agreements_gather_uses_torchs_current_collective_without_a_warning(
 
 @pytest.mark.parametrize("release_broken", [False, True])
 def test_the_unsplit_fallback_line_names_the_release_when_it_is_the_cause(monkeypatch, capsys, release_broken):
-    """Issue 31: the default hint's one line says 'with this megatron-core release' when the
+    """The default hint's one line says 'with this megatron-core release' when the
     release's own linear failed the split self-check, 'for this model' when the model's
     layers are the reason (here: no megatron-core linear at all)."""
     import torch

@@ -87,8 +87,8 @@ def _equivalence_on_cpu() -> list:
     from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
-    # hint bf: at this branch's base the split backward fails on megatron-core 0.19
-    # (_DeferrableLinearBackward's gradient count; fixed on main, see docs/_drafts/h-gpu.md)
+    # hint bf: no split backward here (the self-check was written where the split failed on
+    # megatron-core 0.19, _DeferrableLinearBackward's gradient count; tests/test_wgrad.py covers the split)
     return [compare_with_megatron(ctx, tp=2, pp=2, iterations=2, num_microbatches=4, device="cpu", hint="bf"),
             compare_with_megatron(ctx, tp=2, pp=2, chunks=2, iterations=2, num_microbatches=4, device="cpu",
                                   hint="bf")]

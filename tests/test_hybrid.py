@@ -33,7 +33,7 @@ def test_hybrid_chunks_match_megatron_interleaved(hint):
 @needs_hybrid
 @pytest.mark.timeout(400)
 def test_train_hybrid_with_moe_layers_ep2_pp2_rrfp_losses_equal_1f1b():
-    """``train --model hybrid`` with attention, MLP and (issue 31) E (MoE) layers in
+    """``train --model hybrid`` with attention, MLP and E (MoE) layers in
     --hybrid-layer-pattern and train's MoE flags, at EP2 x PP2 (4 ranks: DP2 = EP2): the default
     policy (B/W split active: no fallback line) logs Megatron's 1F1B losses; --num-experts
     without an E layer is refused before any rank starts."""

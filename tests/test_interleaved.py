@@ -20,7 +20,7 @@ from megatron_rrfp.dist.launcher import launch
                          ids=["pp2-gpt-2chunks", "pp4-mlp-2chunks", "pp4-mlp-4chunks"])
 def test_interleaved_chunks_match_megatron(world, model, chunks, transports):
     # PP=4 also over the device transport's rounds (on gloo): the ring's closing pair led by stage 0;
-    # 4 chunks also under bf, whose ranking reads Megatron's interleaved table (issue 23)
+    # 4 chunks also under bf, whose ranking reads Megatron's interleaved table
     results = launch(compare_interleaved_transports, world_size=world, vpp=chunks, timeout=360,
                      args=(transports,), kwargs={"model": model, "iterations": 2})
     _check(results)

@@ -1,4 +1,4 @@
-"""``1x`` means Megatron's bytes (issue 30 item 4): with the B/W split, RRFP's default holds at
+"""``1x`` means Megatron's bytes: with the B/W split, RRFP's default holds at
 most 1.02x the activation bytes of Megatron's own 1F1B (max over ranks, CPU saved-tensor
 meter: exact) on every call, the first included — real megatron-core GPT stages, TP2 x PP2 over
 gloo, with and without sequence parallelism — and its gradients equal Megatron's."""

@@ -194,7 +194,7 @@ def test_reference_scenario_speedup_and_lower_bound():
     assert speedup >= 1.25, speedup
     assert median([r / lb for r, lb in zip(bf, bounds)]) <= 1.25
     assert median(bfw) < median(bf)
-    assert median([b / r for b, r in zip(base, bfw_1x)]) >= 1.20  # issue 10: a win at 1F1B's memory
+    assert median([b / r for b, r in zip(base, bfw_1x)]) >= 1.20  # a win at 1F1B's own memory
 
 
 def test_same_inputs_same_decisions():
@@ -344,7 +344,7 @@ def test_pipelining_csv_with_split_backward_and_errors(tmp_path):
         make_hint(str(mixed))
 
 
-# -- memory budget, ZB-H1, defaults (issues 10 and 14) ------------------------------------
+# -- memory budget, ZB-H1, defaults ------------------------------------
 
 def test_buffer_limit_in_multiples_of_megatrons_peak():
     assert megatron_peak_in_flight(Topology(8), 32) == 8  # min(PP, M)
@@ -466,10 +466,10 @@ class _SimulateOnce:
 
 
 def test_defaults_and_named_hints_never_lose_to_megatron_without_jitter():
-    """Issue 14: with no run-time variability the readiness-first default (at 1x memory) is
+    """With no run-time variability the readiness-first default (at 1x memory) is
     never more than 1% slower than the strict schedule it reads as a hint (Megatron's 1F1B,
     interleaved or not), and it never holds more than Megatron's own peak in flight.
-    Issue 23: every named hint, at 1x, is at least 0.99x Megatron's own (strict) schedule on
+    Every named hint, at 1x, is at least 0.99x Megatron's own (strict) schedule on
     every layout, or its plan refuses the layout naming 'default' (gpipe, which needs room
     for all its forwards); bf/bfw with chunks were 0.10x / 0.17x at PP=16, C=4."""
     slow, over, refused = [], [], []
@@ -507,8 +507,8 @@ def test_defaults_and_named_hints_never_lose_to_megatron_without_jitter():
 
 
 def test_interleaved_default_beats_megatron_at_its_memory_under_jitter():
-    """Issue 14 at PP=8, C=2, M=32, reference jitter, 1x: was 0.75x (bf, limit 32); the
-    default is now ZB-H1 read readiness-first (the model can split its backward here)."""
+    """PP=8, C=2, M=32, reference jitter, 1x, where BF at that limit lost (0.75x): the
+    default is ZB-H1 read readiness-first (the model can split its backward here)."""
     topology, m = Topology(8, 2), 32
     speedups, w_speedups = [], []
     for seed in range(5):
@@ -569,7 +569,7 @@ def test_weight_tasks_run_in_backward_order_per_chunk(pp, chunks, microbatches, 
             assert weights == backwards, (stage, chunk, format_order(order))
 
 
-# Issue 27: a subset of scripts/sim_default_grid.py's grid (PP x chunks x limit x workload x split); 9 seeds
+# A subset of scripts/sim_default_grid.py's grid (PP x chunks x limit x workload x split); 9 seeds
 # at PP=4 (3 left PP=4, C=2, 1x 2% apart by chance: 9 put zbh1 ahead) and without the split (the wait at PP8 j2
 # is 0.3% ahead of strict 1F1B over 9 seeds, a hair behind over 3), 3 at PP=8 (the gaps there are >= 10%)
 _DEFAULT_GRID_SUBSET = [
@@ -586,7 +586,7 @@ _DEFAULT_GRID_SUBSET = [
 
 
 def test_default_is_the_best_named_hint_at_every_memory_limit():
-    """Issue 27: bfw beat the default by up to 17% above 1x. On the same seeds the default's
+    """Above 1x bfw once beat the default (then always zbh1) by up to 17%. On the same seeds the default's
     median makespan is within 1% of the best allowed named hint (bf, bfw, zbh1, 1f1b, gpipe)
     and never above strict Megatron (1F1B / interleaved), with and without the B/W split."""
     from megatron_rrfp.sim.grid import evaluate
@@ -602,7 +602,7 @@ def test_default_is_the_best_named_hint_at_every_memory_limit():
 def test_default_reads_the_buffer_limit_and_names_losing_interleaved_bf():
     """The default's choice follows the limit (zbh1 at 1x, bfw with room; never a split hint
     where the model cannot split); a user naming bf / bfw with 3+ chunks where it loses to
-    Megatron's interleaved schedule gets one line saying so (issue 27 item 5)."""
+    Megatron's interleaved schedule gets one line saying so."""
     from megatron_rrfp.policy.plan import Plan
 
     def chosen(limit, chunks=1, split=True):
@@ -630,7 +630,7 @@ def test_default_reads_the_buffer_limit_and_names_losing_interleaved_bf():
        bytes_seed=st.integers(0, 2**16), sigma_msg=st.floats(0, 2.0), seed=st.integers(0, 2**16))
 def test_unsplit_default_waits_for_late_forwards_without_deadlock_under_byte_budgets(pp, microbatches, limit,
                                                                                    bytes_seed, sigma_msg, seed):
-    """Issue 27: without the split, one chunk, 1x, the default waits for the forward its 1F1B order
+    """Without the split, one chunk, 1x, the default waits for the forward its 1F1B order
     runs next. That is deadlock-free only while every stage above can hold the next stage's
     Megatron count; byte budgets measured tighter than that (a forward's peak well above what it
     holds) drop the wait on the stages below (arbiter.py), and the run completes either way."""

@@ -1,10 +1,10 @@
-"""RRFP's task loop makes no host/device synchronising call of its own (issue 24, item 2):
-the host may run ahead of the device by up to two tasks only if nothing in between waits
-for a stream. Run on CPU with a probe (tests/helpers/sync_probe.py) that records the calls
-that would wait on CUDA — value reads, copies between devices, synchronize — made by
-megatron_rrfp's code while ``PipelineIteration.run`` runs, on a real megatron-core GPT at
-PP=2 over the device (rounds) protocol, two hints, per-token loss on (the split backward
-is left out: at this branch's base it fails on megatron-core 0.19; see docs/_drafts/h-gpu.md)."""
+"""RRFP's task loop makes no host/device synchronising call of its own: the host may run
+ahead of the device by up to two tasks only if nothing in between waits for a stream. Run
+on CPU with a probe (tests/helpers/sync_probe.py) that records the calls that would wait on
+CUDA — value reads, copies between devices, synchronize — made by megatron_rrfp's code while
+``PipelineIteration.run`` runs, on a real megatron-core GPT at PP=2 over the device (rounds)
+protocol, two hints, per-token loss on (the split backward is left out: it failed on
+megatron-core 0.19 when this test was written; tests/test_wgrad.py covers it)."""
 from __future__ import annotations
 
 import pytest

@@ -190,7 +190,7 @@ def test_impossible_layouts_fail_before_starting_ranks(capsys):
 
 @pytest.mark.timeout(200)
 def test_train_iters_1_with_every_other_default_trains_one_iteration_and_prints_no_python_warning():
-    """Issue 31: Megatron-LM's default warmup (0) lets --train-iters 1 train; with the
+    """Megatron-LM's default warmup (0) lets --train-iters 1 train; with the
     caller's warning choice unset (as a user runs it), no Python warning reaches the output
     (megatron-core's notes and torch's deprecation of what it calls fold into one line)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
@@ -368,7 +368,7 @@ def test_collective_timeout_must_exceed_rrfp_timeout_plus_margin():
     ["--num-experts", "1"], ["--num-experts", "3"], ["--vocab-size", "100"], ["--global-batch-size", "6"],
     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3"]])
 def test_every_default_is_valid_whatever_one_other_flag_is(flags):
-    """Issue 31: a default never refuses a value the user gave for another flag (Megatron-LM's
+    """A default never refuses a value the user gave for another flag (Megatron-LM's
     warmup 0 and min-lr 0; layers, heads, width, vocabulary and global batch follow TP / PP / DP)."""
     from megatron_rrfp.train.config import check_layout, from_args, validate
     from megatron_rrfp.train.driver import build_parser

@@ -113,8 +113,8 @@ def test_indexed_data_bf16_and_torch_dist_checkpoints_resume_exactly(tmp_path):
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 def test_data_path_without_one_sample_is_refused_on_every_rank_before_any_collective(tmp_path):
-    """Issue 23: megatron-core's GPTDataset looped forever on rank 0 over zero tokens while
-    rank 1 waited at its barrier (10 minutes, then a gloo timeout)."""
+    """Unchecked, megatron-core's GPTDataset loops forever on rank 0 over zero tokens while
+    rank 1 waits at its barrier (until the gloo timeout)."""
     import time
 
     from megatron_rrfp.train.data import write_indexed_dataset

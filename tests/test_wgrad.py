@@ -176,7 +176,7 @@ def _split(kind, ddp, pre_process):
 def _watch_ddp_adds_in_b(stage, deferred) -> list:
     """Under overlapped DDP: how often DDP's hook, in a deferred B, would add something into a
     deferred weight's main_grad (a gradient there and grad_added_to_main_grad off) — the
-    placeholder pass issue 30 removes. A pre-hook on the weight's AccumulateGrad registered
+    placeholder pass the split must not make. A pre-hook on the weight's AccumulateGrad registered
     after the split's own runs after it, just before DDP's hook."""
     import torch
 
@@ -458,7 +458,7 @@ def _check(results: list[dict]) -> None:
         assert r["bytes_after_b"] == sorted(r["bytes_after_b"]) and r["peak"] == r["bytes_after_b"][-1]
         assert r["bytes_after_w"] == 0 and r["pending_after_w"] == []
         assert r["same_input_grads"], r["case"]  # B's input gradients are bitwise the unsplit ones
-        assert r["ddp_adds_in_b"] in (None, 0), r  # issue 30: no placeholder pass into main_grad in B
+        assert r["ddp_adds_in_b"] in (None, 0), r  # no placeholder pass into main_grad in B
 
 
 @pytest.mark.timeout(150)
@@ -496,7 +496,7 @@ def test_tp2_split_equals_unsplit_and_sequence_parallel_is_no_blocker():
         assert not any("sequence" in b for b in out["sequence_parallel"]), out["sequence_parallel"]
         sp = out["sp_regather"]  # B kept the local input + output gradient only; W re-gathered
         assert sp["deferred"] and sp["held"] == sp["expected"] and sp["max_err"] <= TOL, sp
-        assert sp["gathers_b_w"] == (0, 1), sp  # issue 30: B issues no all-gather nobody uses; W one
+        assert sp["gathers_b_w"] == (0, 1), sp  # B issues no all-gather nobody uses; W one
 
 
 def test_default_policy_splits_the_backward_only_where_every_stage_can():

@@ -6,9 +6,9 @@ TE needs CUDA: these tests run ``helpers.te_standin`` (a CPU module rebuilt from
 tagged by version 2.3 ... 2.20) inside a megatron-core module, plain and under megatron-core
 DDP (fused accumulation into main_grad or not, overlap_grad_reduce on and off), against the
 same stage's unsplit backward. As the executor drives it: every forward outside any
-``deferring``, B inside it, W in B order. Each of issue 28's findings has a case that failed
-before its fix (1: bias cases; 2: overlap bias cases; 3: every 2.20 case; 4: blockers_ub;
-5: first-store-full; 6: grouped; 7: the SP test). The real TE path is checked on a GPU by
+``deferring``, B inside it, W in B order. Each bug found in this path has a case that failed
+before its fix: the bias cases, the overlapped-bias cases, every 2.20 case, blockers_ub,
+first-store-full, grouped, the SP test. The real TE path is checked on a GPU by
 ``scripts/gpu_selfcheck.py --steps te-bfw,te-bias,te-first-microbatch,te-fp8,te-grouped``.
 """
 from __future__ import annotations

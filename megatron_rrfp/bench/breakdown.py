@@ -111,7 +111,7 @@ def run_breakdown(per_rank: list[dict], key: str, baseline: str = "megatron-1f1b
 
 def explain_gap(run: dict, megatron: Optional[dict] = None, within: float = 0.10) -> str:
     """Which measured cost explains the difference between measured and simulated speedup:
-    none needed (within 10%), the per-task host cost (the simulator given it agrees), or —
+    none needed (within ``within`` of it), the per-task host cost (the simulator given it agrees), or —
     when even that does not close it — how far each schedule's wall is above its own
     host-cost-aware prediction (what runs *between* tasks: Megatron's blocking p2p handoffs,
     RRFP's loop, agreement and threads), with RRFP's largest such cost named."""

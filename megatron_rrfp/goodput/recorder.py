@@ -9,10 +9,10 @@ so rank 0 records [min, median, mean, max] across ranks; every rank must call it
 same order (pass ``gather=False`` to record rank 0's own breakdown only, no collective).
 With ``ledger_path=None`` (flag not given) every method is a no-op on every rank.
 
-Train driver (``megatron_rrfp/train.py``)::
+Train driver (``megatron_rrfp/train/driver.py``)::
 
     from megatron_rrfp.goodput import GoodputRecorder
-    from megatron_rrfp.schedule import last_iteration_report
+    from megatron_rrfp import last_iteration_report
 
     recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=dist.get_rank(),
                                world=dist.get_world_size(), job=run_name)
@@ -42,7 +42,7 @@ right after it ended. Inside an iteration, pass it as ``data_wait_s`` instead (n
 shows up as rank 0's own error, or -- when the whole job is killed -- as the
 "unclean-exit" the report infers from a process that never wrote ``job_end``.
 
-Megatron-LM plugin (``megatron_rrfp/integration.py``), wrapping names in
+Megatron-LM plugin (``megatron_rrfp/megatron_lm/hooks.py``), wrapping names in
 ``megatron.training.training`` (they are resolved at call time there):
 
     recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=torch.distributed.get_rank(),

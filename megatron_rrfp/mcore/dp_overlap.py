@@ -1,6 +1,6 @@
 """Where data-parallel communication may overlap the task loop, and what makes it safe (the rule in one place).
 
-The rounds protocol's deadlock argument (``runtime/rounds.py``) covers the operations of
+The rounds protocol's deadlock argument (docs/design/rounds-protocol.md) covers the operations of
 one pipeline, its TP groups and every group whose ranks dispatch one agreed task sequence.
 Data-parallel reductions (``overlap_grad_reduce``) and the distributed optimizer's parameter
 all-gathers (``overlap_param_gather``) join ranks of *other* pipelines, at points of each
@@ -9,7 +9,7 @@ one's own task sequence:
 * without interleaving they sit where every replica of a stage reaches them in the same
   order relative to its rounds: a stage's reductions in its last backward (or its last B
   and last W under the split), its all-gathers in its first forward. Covered without more
-  (rounds docstring, by stage);
+  (docs/design/rounds-protocol.md, by stage);
 * with interleaving on a single-queue GPU (CUDA, NCCL) chunk c's reductions and chunk
   c+1's all-gathers fall between rounds of other chunks, and rrfp's replicas of a stage
   order their chunks' tasks differently (readiness differs per pipeline), so NCCL would
@@ -21,7 +21,7 @@ Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
 * **lockstep** (``whole_stage_agreement``): the TP agreement spans every rank of the stage
   (TP x DP x CP: megatron's tensor-and-data-parallel group), so all DP replicas of a stage
   dispatch one agreed task sequence and issue their DP collectives at the same positions of
-  it — the argument the rounds docstring makes for expert all-to-alls, which already join
+  it — the argument docs/design/rounds-protocol.md makes for expert all-to-alls, which already join
   replicas this way. Cost: one agreement exchange per decision over TP x DP ranks
   (host-side, gloo) instead of TP, and replicas of a stage move in lock-step: each stage
   takes the slower replica's every task and message;
@@ -33,13 +33,11 @@ Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
   replicas stay independent and nothing in the loop joins two pipelines. Cost: the DP
   communication is no longer hidden behind compute.
 
-Measured on the CUDA protocol over gloo (DP2 x 2 chunks, j3, quiet; docs/production-
-configurations.md) after-loop wins at PP 2 and PP 4 (1.09x / 1.01x of Megatron's overlapped
-interleaved schedule against lock-step's 1.01x / 0.82x, equal memory), so ``auto`` reads
-after-loop. The simulator (``scripts/lockstep_cost.py``) agrees under jitter from PP 4 (lock-step
-costs +17-22% at PP 4-8, j3) but has lock-step ahead where run-time jitter is small (j1-j2
-at PP 2) or DP communication is large against the pipeline's work (2 f0 a reduction at PP 4:
-0.97x against 0.94x): name ``lockstep`` there.
+Measured on the CUDA protocol over gloo, after-loop is ahead of lock-step at PP 2 and PP 4
+at equal memory, so ``auto`` reads after-loop. The simulator (``scripts/lockstep_cost.py``)
+agrees under jitter from PP 4 but has lock-step ahead where run-time jitter is small or DP
+communication is large against the pipeline's work: name ``lockstep`` there. The figures and
+their commands: docs/production-configurations.md ("The whole-stage agreement's cost").
 
 CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing; an
 explicit ``after-loop`` applies on any device.

@@ -14,7 +14,7 @@ from typing import Optional
 
 # --------------------------------------------------------------------------- Megatron-LM hooks
 #
-# megatron_rrfp.integration attaches to Megatron-LM (megatron.training) without editing it.
+# megatron_rrfp.megatron_lm.install attaches to Megatron-LM (megatron.training) without editing it.
 # Where each hook attaches, by release (checked against the core_v0.16.1 and core_v0.19.0
 # tags of Megatron-LM):
 #   add_megatron_arguments     megatron.training.arguments, 0.15 - 0.19. parse_args() looks
@@ -85,7 +85,7 @@ def rebind_loaded(name: str, old, new, *, exclude: tuple = ()) -> list[types.Mod
 
 # --------------------------------------------------------------------------- Megatron-LM training-loop hooks
 #
-# megatron_rrfp.megatron_lm_hooks records goodput (--rrfp-goodput-ledger) and writes RRFP
+# megatron_rrfp.megatron_lm.hooks records goodput (--rrfp-goodput-ledger) and writes RRFP
 # traces (--rrfp-trace-dir) around Megatron-LM's own training loop, without editing it, by
 # wrapping names of megatron.training.training. Checked against the core_v0.16.1 and
 # core_v0.19.0 tags of Megatron-LM:

@@ -8,7 +8,7 @@ Megatron-LM (an entry script such as pretrain_gpt.py, run through
 
 ``install()`` wraps ``megatron.training.arguments.add_megatron_arguments`` so Megatron's
 parser gains ``--pipeline-schedule {1f1b,rrfp}`` and the ``--rrfp-*`` flags (defined once,
-in megatron_rrfp.options). When that parser has parsed, the flags are checked (a bad value
+in megatron_rrfp.megatron_lm.flags). When that parser has parsed, the flags are checked (a bad value
 exits with a message naming the flag) and, with ``--pipeline-schedule rrfp``, Megatron's
 schedule lookup is routed to the readiness-first executor. With the default ``1f1b``
 nothing of Megatron behaves differently.

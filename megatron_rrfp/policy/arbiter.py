@@ -31,8 +31,7 @@ hold its C chunks), this gives:
   lookahead window, hints.py), so that stage dispatches.
 
 Without chunks this is the paper's "drain backward only" at the limit; with chunks it
-replaces the paper's "finish one microbatch at a time", which serialised the pipeline
-(0.12x of Megatron's interleaved schedule at PP=16, C=4).
+replaces the paper's "finish one microbatch at a time", which serialised the pipeline.
 
 Bytes (``membytes.py``): with ``memory_bytes`` (per-stage weights and budgets, measured by
 the runtime) the arbiter also keeps a modelled byte level within its stage's budget: a
@@ -304,8 +303,8 @@ class Arbiter:
     def _scaled_lookahead(self) -> Optional[int]:
         """An ordered hint's window, widened with the memory above Megatron's: K + 2 entries
         (a forward and the backward it pairs with) per extra slot. At 1x the plan keeps its
-        shape; with room to spare a stage may run further ahead of it (simulated, reference
-        jitter: an unwidened K = 8 wasted 0.1-0.3x of the speedup at 2x-4x)."""
+        shape; with room to spare a stage may run further ahead of it (unwidened, a window of
+        one entry per stage wastes much of what the spare memory buys: docs/simulator.md)."""
         base = getattr(self.hint, "lookahead", None)
         if base is None or self._order is None:
             return None

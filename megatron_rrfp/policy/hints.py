@@ -13,15 +13,16 @@ is the full per-stage order, used by strict mode and for display):
 ``default_choice``): near Megatron's memory ``zbh1`` read readiness-first where the model
 can split its backward (at 1x only deferred weight gradients give a stage something to run
 in a bubble), else Megatron's own order: 1F1B waiting for late forwards without chunks
-(``WAITING_1F1B``), the interleaved order with chunks (under reference jitter at 1x it beats
-chunk-aware BF: 1.10x vs 0.71x at PP=8, C=4, M=32); with room to run ahead ``bfw`` or ``bf``
-(``BFW_FROM_MEMORY``, ``BF_FROM_MEMORY``).
+(``WAITING_1F1B``), the interleaved order with chunks (under jitter at 1x it beats
+chunk-aware BF); with room to run ahead ``bfw`` or ``bf`` (``BFW_FROM_MEMORY``,
+``BF_FROM_MEMORY``). The simulated figures behind each threshold, and the commands that print
+them: docs/simulator.md ("The default at every memory limit"); the words: docs/glossary.md.
 
 With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
 microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
 then microbatch. Ranking by chunk alone (breadth-first, the paper's literal rule) filled
-an interleaved stage's memory with chunk-0 activations: 0.10x of Megatron's interleaved
-schedule at PP=16, C=4, 1x, no jitter; read by group it is >= 1.00x on the whole grid
+an interleaved stage's memory with chunk-0 activations and fell far behind Megatron's
+interleaved schedule at 1x; read by group it is never behind it without jitter
 (tests/test_policy.py). ``gpipe`` below room for all M x C forwards is refused
 (``Hint.check_memory``): forward-first under a memory cap loses to Megatron everywhere.
 
@@ -67,10 +68,9 @@ class StageState(Protocol):
 
 BUILTIN_HINTS = ("default", "bf", "bfw", "1f1b", "zbh1", "gpipe")
 DEFAULT_LOOKAHEAD = "pp"
-"""Window of an ordered hint, in order entries: "pp" = one entry per pipeline stage. Measured
-(simulator, reference jitter, 1x memory, interleaved PP 2-16, C 2-4): PP=2 loses 3-7% to
-the strict order with any window > 2 and ties it at 2; PP 4-16 gain most with 3-16 entries;
-unbounded (the paper's rule) loses up to 2x at Megatron's memory."""
+"""Window of an ordered hint, in order entries: "pp" = one entry per pipeline stage. Too wide
+and a stage runs so far ahead of its plan that shallow pipelines fall behind the strict
+order; unbounded (the paper's rule) is far behind at Megatron's memory (docs/simulator.md)."""
 
 
 class HintError(ValueError):
@@ -159,26 +159,19 @@ BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
 BFW_FROM_MEMORY_MANY_CHUNKS_DEEP = 1.75
 """``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
 which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
-``BFW_FROM_MEMORY_MANY_CHUNKS``, and ``..._DEEP`` beyond PP = 4). Simulated (reference jitter
-j3, M = 4 PP, 7 seeds, PP 4-16): below it ZB-H1's order keeps the interleaved warm-up the
-memory still binds (bfw 0.70-0.98x of Megatron's interleaved schedule at 1x with 3-4 chunks);
-from it a stage spends the room on running ahead and W fills what is left (bfw 1.03-1.17x over
-zbh1 at 2x-4x). Without jitter the two tie everywhere. With 4 chunks at 1.5x the crossover
-moves with depth (9 seeds, every workload of ``sim/grid.py``): at PP = 4 ``bfw`` leads under j3,
-multimodal and a straggler (up to 6.8%), ``zbh1`` under MoE and sequence lengths; from PP = 8
-``zbh1`` leads in 11 of 12 cells (up to 15.5%, MoE EP8), ``bfw`` in none by more than 0.3%.
-``scripts/sim_default_grid.py`` prints the grid."""
+``BFW_FROM_MEMORY_MANY_CHUNKS``, and ``..._DEEP`` beyond PP = 4). Below it ZB-H1's order
+keeps the interleaved warm-up the memory still binds; from it a stage spends the room on
+running ahead and W fills what is left. Without jitter the two tie everywhere; with 4 chunks
+at 1.5x the crossover moves with depth (``bfw`` ahead at PP = 4, ``zbh1`` from PP = 8).
+``scripts/sim_default_grid.py`` prints the grid; docs/simulator.md has the figures."""
 LEAD_ZBH1_FROM_MEMORY = 1.5
 """Beyond PP = 4 with 3+ chunks and a split backward, from this multiple up to where ``bfw``
 starts, ``default`` reads ``LEAD_ZBH1_THEN_BFW``: stage 0 follows ZB-H1's order, every later
 stage ranks as ``bfw``. There the better named hint depends on the workload (``bfw`` under j3,
 multimodal imbalance or a straggler, ``zbh1`` under MoE or sequence lengths); the first stage
-keeping ZB-H1's warm-up while the others run ahead is ahead of both in 13 of 20 cells at 1.5x
-(PP 8, 3-4 chunks, every workload of ``sim/grid.py``, 9 seeds; by up to 4.9%), ties them in 6
-(j0-j2) and is behind the better one by more than 1% only under multimodal imbalance with 3
-chunks (6.5%, where ``zbh1`` was 6.0% behind); PP 16, 5 seeds: within 1% or ahead (by up to
-6.6%) but multimodal (3.1%) and MoE EP4 (2.0%) with 3 chunks. At PP 2-4 it trails ``bfw`` by up
-to 6% (multimodal, j3), so there the rule above stands."""
+keeping ZB-H1's warm-up while the others run ahead is ahead of both in most of the simulated
+cells and rarely far behind the better one. At PP 2-4 it trails ``bfw``, so there the rule above
+stands (docs/simulator.md, "Stage 0 on ZB-H1's order, the others bfw")."""
 LEAD_ZBH1_THEN_BFW = "zbh1 on stage 0, bfw after it"
 BF_FROM_MEMORY = 1.25
 WAITING_1F1B = "1f1b, waiting for late forwards"
@@ -186,19 +179,18 @@ WAITING_1F1B = "1f1b, waiting for late forwards"
 Megatron's 1F1B order read readiness-first except that a stage waits for the forward its
 order runs next rather than run a ready backward ahead of it (``OrderedHint``'s
 ``waits_for_forward``). At 1x a backward run ahead of a late forward delays the forward wave
-by up to a whole backward, which at low jitter costs more than the wait: ``bf`` was 0.94-0.97x
-of strict 1F1B under j1-j2 at PP 8-16 (9 seeds, M = 4 PP), the waiting order 0.995-1.003x,
-and ahead of ``bf`` under j3, MoE and a straggler; ``bf`` keeps up to 6% more under multimodal
-imbalance and sequence lengths (a late forward there is late by more than a backward). From
-1.25x ``bf`` leads (it spends the spare slots running ahead); at PP 2-3 1.25x rounds down to 1x,
-which still waits. One slot above 1x ``bf`` is still 0.96-0.99x of strict 1F1B under j1-j2 (PP 8-16),
-the wait 1.01-1.02x. Byte budgets tighter than Megatron's counts drop the wait (arbiter.py)."""
+by up to a whole backward, which at low jitter costs more than the wait (``bf`` falls behind
+strict 1F1B there; the waiting order does not); ``bf`` keeps more under multimodal imbalance
+and sequence lengths, where a late forward is late by more than a backward. From 1.25x ``bf``
+leads (it spends the spare slots running ahead); at PP 2-3 1.25x rounds down to 1x, which
+still waits. Byte budgets tighter than Megatron's counts drop the wait (arbiter.py). Figures:
+docs/simulator.md ("Without the split, one chunk, 1x")."""
 BF_INTERLEAVED_FROM_MEMORY = {2: 1.5}
 BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS = 2.0
 """``default`` without a split backward, interleaved: ``bf`` from this multiple (by chunks; 3 or
-more: ``..._MANY_CHUNKS``), Megatron's own interleaved order (``1f1b``) below (simulated as
-above). With 2 chunks from 1.5x ``bf`` leads Megatron's order by up to 10% (multimodal) and
-trails it by at most 1.7% (PP 4-8, 9 seeds, every workload of ``sim/grid.py``)."""
+more: ``..._MANY_CHUNKS``), Megatron's own interleaved order (``1f1b``) below: with 2 chunks
+from 1.5x ``bf`` leads Megatron's order on some workloads and trails it by little on the others
+(docs/simulator.md)."""
 
 
 class Memory(NamedTuple):
@@ -229,7 +221,7 @@ def default_choice(topology: Topology, *, split_backward: bool, memory: Optional
         at_peak = memory is not None and memory.limit == memory.megatron_peak  # 1.25x of 2-3 is 1x
         return WAITING_1F1B if at_peak or (at_least(1.0) and not at_least(BF_FROM_MEMORY)) else "bf"
     if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
-        return "gpipe"  # room for every forward: 1.04-1.09x over bf with 4 chunks (j3, PP 4-8)
+        return "gpipe"  # room for every forward: ahead of bf with 4 chunks (docs/simulator.md)
     return "bf" if at_least(BF_INTERLEAVED_FROM_MEMORY.get(chunks, BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS)) \
         else "1f1b"
 
@@ -240,8 +232,8 @@ class DefaultHint(Hint):
 
     Where the model can defer its weight gradients: ZB-H1 read readiness-first near
     Megatron's memory — at 1x the W tasks are what a stage can run in a bubble without
-    holding another forward (simulator, j3, PP=8, M=32: 1.23x over strict 1F1B where BF gains
-    1.005x) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
+    holding another forward (where BF, with nothing to fill a bubble, gains almost nothing over
+    strict 1F1B) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
     Otherwise, without chunks, Megatron's 1F1B order waiting for late forwards at 1x and BF
     (the paper's) from 1.25x; Megatron's own interleaved order with chunks
     (``bf`` from 1.5x with 2 chunks, from 2x with 3+). Without jitter it is never slower than the order it
@@ -308,8 +300,8 @@ class OrderedHint(Hint):
     def check_memory(self, topology: Topology, num_microbatches: int, buffer_limit: int) -> None:
         # GPipe runs every forward before any backward. Below room for all of them the
         # memory rule cuts it into a forward-first 1F1B whose last stages delay the
-        # backward wave (simulated, no jitter, 1x: 0.87x of Megatron's 1F1B at PP=16, M=32;
-        # 0.09x interleaved at PP=16, C=4, M=128); with room for all it ties (1.00x).
+        # backward wave, well behind Megatron's schedule even without jitter; with room for all it
+        # ties (docs/simulator.md).
         need = num_microbatches * topology.num_chunks
         if self.name == "gpipe" and self._orders is None and buffer_limit < need:
             raise HintError(

@@ -80,7 +80,7 @@ def _build(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> 
 
 INTERLEAVED_BF_LOSES_BELOW = 1.5
 """Named ``bf`` / ``bfw`` with 3+ chunks below this multiple of Megatron's memory lose to
-Megatron's interleaved schedule under jitter (simulated j3, M = 4 PP: bfw 0.70-0.98x at 1x)."""
+Megatron's interleaved schedule under jitter (simulated: docs/simulator.md)."""
 
 
 def _announce_interleaved_bf(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> None:

@@ -58,7 +58,7 @@ class StageWork(Protocol):
 
 class Transport(Protocol):
     """What the loop needs from a transport (``transport.StageTransport``,
-    ``round_transport.RoundTransport``)."""
+    ``rounds.RoundTransport``)."""
 
     state_words: int  # length of local_state(): progress counters agreed across TP ranks
     poll_interval: Optional[float]  # re-check this often while waiting (None: the inbox wakes us)

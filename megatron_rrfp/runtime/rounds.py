@@ -1,130 +1,19 @@
 """The device transport: pipeline messages in *rounds*, built on NCCL's semantics.
 
-A NCCL send or receive kernel blocks its GPU queue until the peer's matching kernel runs
-("blocking for the GPU"; operations that must progress together must share one
-``ncclGroupStart/End``), and with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream feeds
-one hardware queue. So a receive may only enter a queue together with its send, and
-every GPU must see the operations it shares with others in one consistent order.
+A NCCL send or receive blocks its GPU queue until the peer's matching kernel runs, so a
+receive may only enter a queue together with its send, and every GPU must see the operations
+it shares with others in one consistent order. Per neighbour pair the lower stage leads (on
+the interleaved ring's closing pair, stage 0): it forms round k from its own messages and those
+the follower announced over the host channel, issues it as one batched group and sends the
+round's content to the follower, which issues round k, mirrored, at its next decision point.
+The executor never waits on the device while it has rounds to issue (``max_tasks_ahead``).
 
-Protocol, per neighbour pair (the lower pipeline stage leads, also for the interleaved
-ring's closing pair, which stage 0 leads):
+Why neither the device queues nor the hosts can deadlock — with tensor, expert and data
+parallelism, and the B/W split's collectives inside W: docs/design/rounds-protocol.md.
 
-* the follower *announces* each message it produces (its header) over the host channel;
-* at a decision point of its task loop, the leader forms round k from its own messages
-  produced so far and the follower messages announced to it (with tensor parallelism:
-  announced to *every* TP rank — the count is agreed with the task), issues it as ONE
-  batched group (``batch_isend_irecv``: its sends and the matching receives), and sends
-  the round's content (its headers, how many announcements it covers) to the follower;
-* the follower issues round k, mirrored, at its next decision point after every one of
-  its TP ranks has the decision; rounds of a pair are issued in the same order on both
-  ends. A received tensor is delivered at once; its task waits for the round on the
-  device (``Message.wait()``) right before it uses it.
-
-Why this cannot deadlock, in the worst case (each GPU runs its operations one at a time
-in issue order; a round runs only while its partner's runs): order all device operations
-by the issue order of each GPU, identifying the two ends of a round and the ranks of a TP
-collective. The follower issues after the leader, rounds of a pair in one order, and TP
-ranks at the same points of the same task sequence, so this order has no cycle: a chain
-of "waits for its partner, which is behind X" moves along the pipeline in one direction
-and ends at a pipeline end (on the ring, stage 0 never has rounds of both its pairs in
-flight, so no chain closes the ring). The earliest unfinished operation therefore always
-runs.
-
-The hosts, too, must keep issuing: a round's follower end is issued only when the
-follower's host reaches its next decision point. The executor itself never waits on the
-device while it has rounds to issue: it *declines* tasks (``can_dispatch``) while more
-than ``max_tasks_ahead`` launched tasks are unfinished on the device, and keeps issuing
-rounds meanwhile. (So up to ``max_tasks_ahead + 1`` tasks are unfinished right after a
-launch, and one more under TP agreement, whose offer for the next task is posted as the
-current one launches.) But hosts *do* block on operations whose partner may not be issued
-yet, in three places:
-
-* ``flush`` (end of the call) waits for this rank's last rounds;
-* stage 0's ring rule (``_issue`` -> ``_drain``) waits for the rounds of its other pair
-  before issuing on this one, and the follower end of those rounds may not be issued yet;
-* host syncs inside a task: Megatron's own (the MoE alltoall dispatcher's
-  ``d2h_event.synchronize()`` in every MoE forward, ``--check-for-nan-in-loss-and-grad``
-  reading each bucket inside the last B / W, ``validate_result`` in the loss), which wait
-  for every operation queued before them on this rank's device.
-
-Each such wait is for an operation of the waiting rank's *own* queue, so it returns once
-the earliest unfinished operations of that queue run, and by the order above those run as
-long as every follower host eventually reaches its next decision point. A follower host is
-either at a decision point (it issues) or in one of these waits, on its own queue; chains
-of such waits follow the follower relation, i.e. move down the pipeline (the lower stage
-leads), and end at the last stage, which follows only, or — on the ring — at stage 0,
-which by the ring rule has rounds of one pair only in flight while it drains the other,
-so the drain's chain cannot come back to it. So every host wait returns; each one is also
-bounded by ``timeout_s`` — below NCCL's own timeout (``mcore.session.device_timeout``;
-Megatron's groups: ``--distributed-timeout-minutes``, held above it by
-``megatron_lm.flags.check_distributed_timeout``), so RRFP's diagnosis comes first. What
-these waits cost is the issuing host's lead: the device runs dry behind a host sync until
-the host catches up (the emulation issues the dispatcher's sync in every MoE forward).
-
-Expert parallelism (MoE all-to-alls on NCCL, inside F and B): the expert-parallel group
-spans data-parallel replicas, i.e. ranks of *different pipelines*, so the agreement group is
-every rank of this stage that shares a collective with it (TP x CP joined with expert-TP x
-EP). All of them dispatch one task sequence and issue their rounds at the same points of it
-(the counters are agreed over the whole group, and replicas' messages follow one sequence
-because their producers run one sequence too). Identify, per stage, the group's ranks at
-the same position of that sequence: each collective (TP, CP, expert all-to-all) then lies
-at one such position, each round joins position i of stage s to position j of stage s+1 in
-the same way in every replica, and the graph of these positions is the graph of a single
-pipeline whose stages are the groups — the argument above applies to it unchanged. A
-task's own dependencies (its input message, the rounds before it) are the same in every
-replica, so no replica waits on something that only another replica's progress produces.
-The agreement itself runs on separate gloo groups, off the device queues.
-
-TP collectives inside W (sequence parallelism under the B/W split: ``mcore/wgrad.py``'s W
-re-gathers its linear's input over the TP group) are covered the same way: the agreed task
-universe holds every W, each dispatch enters the digest checked at every exchange, so all TP
-ranks issue W's all-gathers at the same position of one task sequence (in the store's fixed
-order), on the compute stream like the TP collectives inside F and B.
-
-Data-parallel collectives join ranks of *other* pipelines at points of their own task
-sequences (``mcore/dp_overlap.py`` decides where they may overlap the task loop). Where
-megatron issues them (``mcore/grad_sync.py``): a chunk's bucket reductions in its last
-backward (``overlap_grad_reduce``; under the B/W split in the last B for what B completes
-and weight by weight inside the last W, ``SplitReadiness``); the distributed optimizer's
-parameter all-gathers (``overlap_param_gather``) in the chunk's first forward (DDP's
-forward pre-hook chain), with interleaving chunks 0 and 1 at the start of the call and
-chunk c + 1 before chunk c's first forward (``param_sync_func``). Their order on a stage
-is the same in every replica whatever the timing, by data dependency alone: chunk c's
-first forward follows chunk c - 1's, and chunk c's last backward follows chunk c + 1's
-(each backward of chunk c needs the same microbatch's backward of chunk c + 1), so a
-stage issues all-gathers 0, 1, ..., C - 1, then reductions C - 1, ..., 0. Their position
-*relative to the stage's rounds* is not:
-
-* without interleaving it is: a stage's reductions sit in its last backward, after every
-  round it still needs from downstream and before any round upstream needs from it; by
-  induction from the last stage up (the last stages' reductions need nothing from upstream
-  that is queued after an upstream reduction) every stage's reductions complete. Its
-  all-gathers sit in its first forward, before any round but the one carrying that
-  forward's input: by induction from stage 0 down they complete;
-* with interleaving chunk c's reductions and chunk c + 1's all-gathers fall between rounds
-  of other chunks, at points that differ per replica (readiness differs per pipeline). A
-  cycle is then possible: replica A's stage s issues reduction R(c) before a round j with
-  s + 1 that A's stage s + 1 issues before its R'(c - 1), while replica B's stage s + 1 issues
-  R'(c - 1) before a round i that B's stage s issued before R(c) — each collective waits
-  for its other replica, which is behind a round whose partner is behind the collective.
-  **The rule** (``dp_overlap.whole_stage_agreement``): on CUDA with interleaving, DP > 1 and
-  either flag, the agreement group spans every rank of the stage (TP x DP x CP). Every DP
-  replica of a stage then dispatches one agreed task sequence and issues its rounds at the
-  agreed points of it, so its DP collectives lie at the same positions in every replica:
-  exactly the expert-parallel case above (identify the group's ranks at one position; the
-  graph is a single pipeline's), and the argument applies unchanged, the split's in-loop
-  reductions included (``SplitReadiness(overlap_allowed=True)``). Without the rule the
-  interleaved case stays outside the argument (``overlapped_dp_communication_allowed(...,
-  whole_stage=False)``). **The other choice** (``--rrfp-dp-overlap after-loop``,
-  ``grad_sync``'s ``in_loop=False``): no DP collective inside the loop at all — every
-  all-gather completes before the first round of the call is issued and every reduction is
-  issued after the last round has completed (the loop ends with ``flush``), in one static
-  order (chunk, bucket) on every replica; they then sit where the optimizer step's
-  collectives sit, and each pipeline's rounds are again a single pipeline's graph.
-
-The device and the host channel are injected (``Device``, ``HostChannel``):
-``device.py`` ships NCCL and gloo ones; tests drive the same protocol on an emulated
-single-queue device (``megatron_rrfp/verify/queue_device.py``).
+The device and the host channel are injected (``Device``, ``HostChannel``): ``device.py``
+ships NCCL and gloo ones; tests drive the same protocol on an emulated single-queue device
+(``megatron_rrfp/verify/queue_device.py``).
 """
 from __future__ import annotations
 

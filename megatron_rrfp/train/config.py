@@ -2,7 +2,7 @@
 
 The command line is generated from the fields (flag = ``--`` + name with dashes, help =
 the field's ``help``), so the dataclass and the parser cannot drift apart; the
-``--pipeline-schedule`` / ``--rrfp-*`` fields come from ``options.add_rrfp_arguments``,
+``--pipeline-schedule`` / ``--rrfp-*`` fields come from ``megatron_lm.flags.add_rrfp_arguments``,
 shared with the Megatron-LM integration. ``to_argv`` turns a config back into flags
 (``--nproc`` uses it to start its ranks). ``validate`` raises ValueError quoting the
 values, before any process starts.
@@ -28,7 +28,7 @@ def _flag(default, help: str, group: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
 
 
-def _shared(default):  # defined by options.add_rrfp_arguments
+def _shared(default):  # defined by megatron_lm.flags.add_rrfp_arguments
     return field(default=default, metadata={"shared": True})
 
 
@@ -158,7 +158,7 @@ class TrainConfig:
     distributed_timeout_minutes: float = _flag(10.0, "timeout of collectives (Megatron-LM's flag); with "
                                                "--pipeline-schedule rrfp it must exceed --rrfp-timeout plus its "
                                                "margin: the default is then raised to that", "launching")
-    # schedule: options.add_rrfp_arguments
+    # schedule: megatron_lm.flags.add_rrfp_arguments
     pipeline_schedule: str = _shared("1f1b")
     rrfp_hint: str = _shared(DEFAULT_HINT)
     rrfp_buffer_limit: Union[int, str] = _shared(DEFAULT_BUFFER_LIMIT)
@@ -221,7 +221,7 @@ TRAIN_HELP = {
         "Pass the same path when resuming with --load: one report covers the whole job "
         "('megatron-rrfp goodput PATH'). Like every --rrfp-* flag, needs --pipeline-schedule rrfp", "PATH"),
 }
-"""--dest: (help, metavar) replacing options.add_rrfp_arguments' generic text in this driver's --help."""
+"""--dest: (help, metavar) replacing megatron_lm.flags.add_rrfp_arguments' generic text in this driver's --help."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
