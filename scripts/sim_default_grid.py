@@ -1,4 +1,4 @@
-"""Is ``default`` the best shipped policy at every memory limit? (issue 27; simulator, one process)
+"""Is ``default`` the best shipped policy at every memory limit? (simulator, one process)
 
     python scripts/sim_default_grid.py                      # the full grid (hours on one core)
     python scripts/sim_default_grid.py --pp 4,8 --chunks 1,2 --limits 1x,2x --workloads j3 --seeds 3

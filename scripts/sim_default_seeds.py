@@ -1,5 +1,5 @@
 """How much of the default grid's verdict is the seeds, and would measuring the candidates beat the rule?
-(issue 27; simulator, one process, about 12 minutes with the defaults)
+(simulator, one process, about 12 minutes with the defaults)
 
     python scripts/sim_default_seeds.py                    # the buckets where the winner swaps, PP 4 and 8
     python scripts/sim_default_seeds.py --pp 4 --seeds 5 --trials 3

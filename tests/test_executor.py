@@ -58,7 +58,7 @@ def test_pp2_gpt_trains_50_iterations_like_megatron_and_mlp_and_eval():
 
 @pytest.mark.timeout(400)
 def test_pp4_gpt_and_mlp():
-    # the third: what the default reads without the split at 1x (1F1B waiting for a late forward, issue 27)
+    # the third: what the default reads without the split at 1x (1F1B waiting for a late forward)
     waiting = OrderedHint("1f1b", waits_for_forward=True)
     results = launch(run_cases, world_size=4, timeout=360, args=([Case(model="gpt", iterations=2),
                                                                   Case(model="mlp", iterations=2),
@@ -69,7 +69,7 @@ def test_pp4_gpt_and_mlp():
 
 @pytest.mark.timeout(300)
 def test_tp2_pp3_tp_ranks_agree_while_the_unsplit_default_waits_for_a_late_forward():
-    # a stage that waits with a backward ready (issue 27) must still make the same choice on both TP
+    # a stage that waits with a backward ready must still make the same choice on both TP
     # ranks when one of them sees every message late, on both transports; the order may equal 1F1B's
     waiting = OrderedHint("1f1b", waits_for_forward=True)
     cases = [Case(model="mlp", iterations=2, hint=waiting, buffer_limit="1x", late_rank=2),
