@@ -5,7 +5,7 @@ import argparse
 import os
 
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
-from ..sim.cli import add_workload_arguments, workload_from_args
+from ..sim.cli import add_layout_arguments, add_workload_arguments, workload_from_args
 from ..sim.llava import add_llava_arguments, llava_from_args
 
 
@@ -15,6 +15,7 @@ def add_bench_parsers(sub) -> None:
     from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, DEMO_SCHEDULES
 
     bounds = {flag: BenchConfig.BOUNDS[name].parse for name, flag in BenchConfig.FLAGS.items()}
+    bounds.update({name: BenchConfig.BOUNDS[name].parse for name in BenchConfig.BOUNDS})
 
     for name in ("bench", "demo"):
         demo = name == "demo"
@@ -22,12 +23,11 @@ def add_bench_parsers(sub) -> None:
                                        else "measure schedules on real megatron-core models (every knob)"))
         p.add_argument("--model", default="gpt", choices=("gpt", "hybrid", "multimodal"),
                        help="hybrid: megatron-core's HybridModel (>= 0.18), an attention and an MLP layer per chunk")
-        p.add_argument("--pp", type=bounds["--pp"], default=4, help="pipeline stages (one process each locally)")
-        p.add_argument("--chunks", type=bounds["--chunks"], default=1,
-                       help="model chunks per stage; > 1 compares Megatron's interleaved schedule with RRFP")
-        p.add_argument("--tp", type=bounds["--tp"], default=1, help="tensor-parallel size")
-        p.add_argument("--dp", type=bounds["--dp"], default=1, help="data-parallel size")
-        p.add_argument("--microbatches", "-m", type=bounds["--microbatches"], default=16)
+        layout = p.add_argument_group("layout (Megatron-LM's names; the short forms are aliases)")
+        add_layout_arguments(layout, bounds, pp=4, microbatches=16, data_parallel=True,
+                             pp_help="pipeline stages (one process each locally)",
+                             chunks_help="model chunks per stage; > 1 compares Megatron's interleaved schedule with "
+                                         "RRFP")
         p.add_argument("--micro-batch-size", type=bounds["--micro-batch-size"], default=2)
         p.add_argument("--seq-length", type=bounds["--seq-length"], default=32)
         p.add_argument("--hidden-size", type=bounds["--hidden-size"], default=32)
@@ -62,21 +62,21 @@ def add_bench_parsers(sub) -> None:
                             "instead of one line")
         p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                        help="cpu (default): one gloo process per rank on this host's CPUs, CUDA hidden from them; "
-                            "cuda: one rank per GPU over NCCL (needs --pp x --tp x --dp GPUs), started by torch's "
+                            "cuda: one rank per GPU over NCCL (needs PP x TP x DP GPUs), started by torch's "
                             "launcher, the emulated device time a sleep kernel on each rank's stream")
         production = p.add_argument_group("production parallelism (Megatron-LM's names)")
         production.add_argument("--sequence-parallel", action="store_true",
-                                help="Megatron's sequence parallelism (needs --tp > 1)")
+                                help="Megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)")
         production.add_argument("--overlap-grad-reduce", action="store_true",
                                 help="megatron-core DDP around the stages, reductions overlapped with the backward")
         production.add_argument("--use-distributed-optimizer", action="store_true",
                                 help="DDP's distributed-optimizer layout (reduce-scatter of gradients)")
         production.add_argument("--overlap-param-gather", action="store_true",
                                 help="parameter all-gathers overlapped with the forwards (emulated: --dp-gather-ms)")
-        production.add_argument("--dp-reduce-ms", type=bounds["--dp-reduce-ms"], default=0.0,
+        production.add_argument("--dp-reduce-ms", type=bounds["dp_reduce_ms"], default=0.0,
                                 help="emulated device time of one model chunk's DP gradient reduction (over its "
                                      "buckets by size); at the end without --overlap-grad-reduce")
-        production.add_argument("--dp-gather-ms", type=bounds["--dp-gather-ms"], default=0.0,
+        production.add_argument("--dp-gather-ms", type=bounds["dp_gather_ms"], default=0.0,
                                 help="emulated device time of one model chunk's parameter all-gather "
                                      "(--use-distributed-optimizer; after the step without --overlap-param-gather)")
         production.add_argument("--a2a-ms", type=bounds["--a2a-ms"], default=0.0,

@@ -125,13 +125,16 @@ class BenchConfig:
         "dp_gather_ms": bound(0, 60_000), "a2a_ms": bound(0, 60_000),
     }
     FLAGS: ClassVar[dict[str, str]] = {
-        "pipeline_size": "--pp", "num_chunks": "--chunks", "tensor_parallel": "--tp", "data_parallel": "--dp",
-        "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch-size", "seq_length": "--seq-length",
-        "hidden_size": "--hidden-size", "f0_ms": "--f0-ms", "iterations": "--iterations", "warmup": "--warmup",
+        "pipeline_size": "--pipeline-model-parallel-size", "num_chunks": "--virtual-pipeline-model-parallel-size",
+        "tensor_parallel": "--tensor-model-parallel-size", "data_parallel": "--data-parallel-size",
+        "num_microbatches": "--num-microbatches", "micro_batch_size": "--micro-batch-size",
+        "seq_length": "--seq-length", "hidden_size": "--hidden-size", "f0_ms": "--f0-ms", "iterations": "--iterations",
+        "warmup": "--warmup",
         "seed": "--seed", "buffer_limit": "--buffer-limit", "timeout_s": "--timeout", "dp_reduce_ms": "--dp-reduce-ms",
         "dp_gather_ms": "--dp-gather-ms", "a2a_ms": "--a2a-ms",
     }
     MAX_LOCAL_RANKS = 128
+    _RANKS = "--pipeline-model-parallel-size x --tensor-model-parallel-size x --data-parallel-size"
     _HEADS = 4  # attention heads of the benchmark's tiny models (train.models.tiny_gpt_config, the ViT's spec)
     _VOCAB = 128
 
@@ -157,7 +160,8 @@ class BenchConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
         if self.pipeline_size < 2:
-            raise ValueError(f"--pp must be >= 2 (pipeline bubbles need a pipeline), got {self.pipeline_size}")
+            raise ValueError(f"--pipeline-model-parallel-size must be >= 2 (pipeline bubbles need a pipeline), got "
+                             f"{self.pipeline_size}")
         if self.model not in ("gpt", "hybrid", "multimodal"):
             raise ValueError(f"--model {self.model!r}: choose gpt, hybrid or multimodal")
         if self.model == "hybrid":
@@ -166,10 +170,11 @@ class BenchConfig:
             if hybrid_model_unavailable():
                 raise ValueError(f"--model hybrid: {hybrid_model_unavailable()}; use --model gpt on this release")
         if self.sequence_parallel and (self.tensor_parallel < 2 or self.model != "gpt"):
-            raise ValueError(f"--sequence-parallel needs --tp > 1 and --model gpt (got --tp {self.tensor_parallel}, "
-                             f"--model {self.model})")
+            raise ValueError(f"--sequence-parallel needs --tensor-model-parallel-size > 1 and --model gpt (got "
+                             f"--tensor-model-parallel-size {self.tensor_parallel}, --model {self.model})")
         if self.num_chunks < 1 or (self.num_chunks > 1 and self.model == "multimodal"):
-            raise ValueError(f"--chunks {self.num_chunks}: interleaving is benchmarked with --model gpt or hybrid")
+            raise ValueError(f"--virtual-pipeline-model-parallel-size {self.num_chunks}: interleaving is benchmarked "
+                             "with --model gpt or hybrid")
         self._check_values_and_layout()
         check_communication(self)
 
@@ -183,20 +188,20 @@ class BenchConfig:
         world = self.pipeline_size * self.tensor_parallel * self.data_parallel
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
             if os.environ["WORLD_SIZE"] != str(world):
-                raise ValueError(f"--pp x --tp x --dp = {world} ranks, but the launcher started WORLD_SIZE="
+                raise ValueError(f"{self._RANKS} = {world} ranks, but the launcher started WORLD_SIZE="
                                  f"{os.environ['WORLD_SIZE']}")
         elif self.device == "cuda":
             visible = _visible_gpus()
             if visible < world:
-                raise ValueError(f"--device cuda runs one rank per GPU: --pp x --tp x --dp = {world} GPUs needed, "
+                raise ValueError(f"--device cuda runs one rank per GPU: {self._RANKS} = {world} GPUs needed, "
                                  f"{visible} visible; leave out --device cuda to run the ranks on CPU")
         elif world > self.MAX_LOCAL_RANKS:
-            raise ValueError(f"--pp x --tp x --dp = {world} local ranks; at most {self.MAX_LOCAL_RANKS} run on one "
+            raise ValueError(f"{self._RANKS} = {world} local ranks; at most {self.MAX_LOCAL_RANKS} run on one "
                              "host (use torchrun / srun for more)")
         if self.hidden_size % self._HEADS or self._HEADS % self.tensor_parallel:
             raise ValueError(f"--hidden-size must be a multiple of the tiny models' {self._HEADS} attention heads "
-                             f"and --tp must divide them (1, 2 or 4); got --hidden-size {self.hidden_size}, "
-                             f"--tp {self.tensor_parallel}")
+                             f"and --tensor-model-parallel-size must divide them (1, 2 or 4); got --hidden-size "
+                             f"{self.hidden_size}, --tensor-model-parallel-size {self.tensor_parallel}")
         if self.image_size is not None and (self.model != "multimodal" or self.image_size % self.patch_dim
                                             or (self.image_size // self.patch_dim) ** 2 >= self.seq_length):
             raise ValueError(f"--img-h {self.image_size} --patch-dim {self.patch_dim} need --model multimodal, a "
@@ -209,15 +214,17 @@ class BenchConfig:
         self.variability_model().check_layout(self.pipeline_size)
         experts, ep = self.workload.num_experts, self.workload.expert_parallel
         if ep > 1 and (not experts or self.data_parallel % ep or self.model != "gpt"):
-            raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts, --model gpt and a --dp that it "
-                             f"divides (got --num-experts {experts}, --model {self.model}, --dp {self.data_parallel})")
+            raise ValueError(f"--expert-model-parallel-size {ep} needs --num-experts, --model gpt and a "
+                             f"--data-parallel-size that it divides (got --num-experts {experts}, --model "
+                             f"{self.model}, --data-parallel-size {self.data_parallel})")
         topology = Topology(self.pipeline_size, self.num_chunks)
         for name, limit in dict.fromkeys((_SIM_POLICY[run.schedule], starting_limit(run.limit)) for run in self.runs()):
             try:
                 Plan.build(policy(name, limit), topology, self.num_microbatches)
             except ValueError as exc:
-                raise ValueError(f"--schedules with --pp {self.pipeline_size} --chunks {self.num_chunks} "
-                                 f"--microbatches {self.num_microbatches}: {exc}") from None
+                raise ValueError(f"--schedules with --pipeline-model-parallel-size {self.pipeline_size} "
+                                 f"--virtual-pipeline-model-parallel-size {self.num_chunks} --num-microbatches "
+                                 f"{self.num_microbatches}: {exc}") from None
 
     def runs(self) -> list[BenchRun]:
         """What runs, in order: each schedule; a readiness-first one once per buffer limit."""

@@ -14,6 +14,24 @@ _STUDY = StudyConfig.BOUNDS
 
 
 
+def add_layout_arguments(group, parse: dict, *, pp: int, microbatches: int, data_parallel: bool, pp_help: str,
+                         chunks_help: str) -> None:
+    """The layout flags of `simulate`, `bench` and `demo` in Megatron-LM's names (``train``'s), with
+    the short forms kept as aliases; ``parse``: each field's Bound.parse by field name."""
+    group.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=parse["pipeline_size"], default=pp,
+                       help=f"{pp_help} (default {pp})")
+    group.add_argument("--virtual-pipeline-model-parallel-size", "--chunks", dest="chunks",
+                       type=parse["num_chunks"], default=1, help=chunks_help)
+    group.add_argument("--num-microbatches", "--microbatches", "-m", dest="microbatches",
+                       type=parse["num_microbatches"], default=microbatches,
+                       help=f"microbatches per iteration (default {microbatches})")
+    if data_parallel:
+        group.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=parse["tensor_parallel"], default=1,
+                           help="tensor-parallel size")
+        group.add_argument("--data-parallel-size", "--dp", dest="dp", type=parse["data_parallel"], default=1,
+                           help="data-parallel size (Megatron-LM derives it from the world size)")
+
+
 def add_workload_arguments(group) -> None:
     """Workload knobs shared by `simulate` and `bench` (same names as Variability's fields;
     the flag's type is the field's accepted range, so a bad value stops the parse)."""
@@ -62,11 +80,10 @@ def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of pipeline policies",
                        description="Compare readiness-first policies with strict 1F1B on the same "
                                    "sampled run-time variability. Times are in units of f0.")
-    p.add_argument("--pp", type=_STUDY["pipeline_size"].parse, default=8, help="pipeline stages (default 8)")
-    p.add_argument("--microbatches", "-m", type=_STUDY["num_microbatches"].parse, default=32,
-                   help="microbatches per iteration (default 32)")
-    p.add_argument("--chunks", type=_STUDY["num_chunks"].parse, default=1,
-                   help="model chunks per stage (interleaved if > 1)")
+    add_layout_arguments(p.add_argument_group("layout (Megatron-LM's names; the short forms are aliases)"),
+                         {name: bound.parse for name, bound in _STUDY.items()}, pp=8, microbatches=32,
+                         data_parallel=False, pp_help="pipeline stages", chunks_help="model chunks per stage "
+                         "(interleaved if > 1)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma list of default, bf, bfw, 1f1b, zbh1, gpipe or hint files; '-strict' = fixed order "
                         f"(default {','.join(DEFAULT_POLICIES)})")
@@ -88,6 +105,11 @@ def add_simulate_parser(sub) -> None:
     v.add_argument("--sigma-msg", type=_VARIABILITY["sigma_msg"].parse, default=0.0,
                    help="log-normal sigma of message latency")
     add_workload_arguments(v)
+    v.add_argument("--task-times", metavar="FILE", default=None,
+                   help="draw every task's duration from times measured on a device (scripts/measure_task_times.py "
+                        "wrote FILE) instead of the compute model; f0 = the measured median F")
+    v.add_argument("--task-times-workload", metavar="NAME", default=None,
+                   help="the workload of --task-times to draw from (default: gpt, else the file's first)")
     add_llava_arguments(p.add_argument_group("LLaVA's shapes (Megatron-LM's pretrain_vlm.py; stage 0 holds the ViT)"),
                         model_sizes=True)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -120,7 +142,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         workload.update(straggler_stage=0, straggler_factor=llava.stage0_factor)
         print(f"LLaVA: {llava.image_tokens} image tokens per sample, decoder sequence {llava.decoder_seq_length}; "
               f"ViT + projection = {llava.encoder_share:.2f} of a decoder stage: stage 0 x{llava.stage0_factor:.2f}")
-    variability = Variability(backward_ratio=args.backward_ratio, **workload, **knobs)
+    variability = Variability(backward_ratio=args.backward_ratio, **workload, **knobs, task_times=args.task_times,
+                              task_times_workload=args.task_times_workload)
+    if variability.task_times is not None:
+        from .measured import describe, load_task_times
+
+        print(describe(load_task_times(variability.task_times, variability.task_times_workload)))
     config = StudyConfig(pipeline_size=args.pp, num_microbatches=args.microbatches, num_chunks=args.chunks,
                          policies=[p.strip() for p in args.policies.split(",") if p.strip()],
                          buffer_limit=limits[0], seeds=args.seeds, first_seed=args.first_seed,

@@ -50,14 +50,15 @@ def llava_shape(*, img_h: int, img_w: int, patch_dim: int, seq_length: int, hidd
     and the projection (an MLP h -> 4h -> h on them), over one stage's share of the decoder
     (``decoder_num_layers / pipeline_size`` layers on ``seq_length`` text + image tokens)."""
     for name, value in (("--seq-length", seq_length), ("--hidden-size", hidden_size),
-                        ("--decoder-num-layers", decoder_num_layers), ("--pp", pipeline_size)):
+                        ("--decoder-num-layers", decoder_num_layers),
+                        ("--pipeline-model-parallel-size", pipeline_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(encoder_num_layers, int) or encoder_num_layers < 0:
         raise ValueError(f"--encoder-num-layers must be an integer >= 0, got {encoder_num_layers!r}")
     if decoder_num_layers < pipeline_size:
-        raise ValueError(f"--decoder-num-layers {decoder_num_layers} must be >= --pp {pipeline_size} (every stage "
-                         "holds decoder layers)")
+        raise ValueError(f"--decoder-num-layers {decoder_num_layers} must be >= --pipeline-model-parallel-size "
+                         f"{pipeline_size} (every stage holds decoder layers)")
     tokens = image_tokens(img_h, img_w, patch_dim)
     decoder_seq = seq_length + tokens
     encoder = encoder_num_layers * _layer_flops(tokens, hidden_size) + 16.0 * tokens * hidden_size ** 2

@@ -50,7 +50,8 @@ class StudyConfig:
         "buffer_limit": BUFFER_LIMIT, "seeds": integer(1, 100_000), "first_seed": integer(0, 2**32 - 1),
     }
     FLAGS: ClassVar[dict[str, str]] = {
-        "pipeline_size": "--pp", "num_microbatches": "--microbatches", "num_chunks": "--chunks",
+        "pipeline_size": "--pipeline-model-parallel-size", "num_microbatches": "--num-microbatches",
+        "num_chunks": "--virtual-pipeline-model-parallel-size",
         "buffer_limit": "--buffer-limit", "seeds": "--seeds", "first_seed": "--first-seed",
     }
     MAX_TASKS = 10_000_000
@@ -61,8 +62,9 @@ class StudyConfig:
         check_fields(self, self.BOUNDS, self.FLAGS)
         tasks = self.pipeline_size * self.num_chunks * self.num_microbatches
         if tasks > self.MAX_TASKS:
-            raise ValueError(f"--pp x --chunks x --microbatches = {tasks} tasks per stage set; at most "
-                             f"{self.MAX_TASKS} fit one seed's durations in memory")
+            raise ValueError(f"--pipeline-model-parallel-size x --virtual-pipeline-model-parallel-size x "
+                             f"--num-microbatches = {tasks} tasks per stage set; at most {self.MAX_TASKS} fit one "
+                             "seed's durations in memory")
         if isinstance(self.policies, str) or not self.policies or not all(isinstance(p, str) and p
                                                                           for p in self.policies):
             raise ValueError(f"--policies must be a comma list of policy names, got {self.policies!r}")
