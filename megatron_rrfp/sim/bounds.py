@@ -21,7 +21,8 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
 
     Virtual stage v = c * PP + s is chunk c of stage s; microbatch j crosses v = 0 .. V-1
     forward and back. With F[v][j], B[v][j] its forward and full-backward times, b = B/2
-    the input-gradient half when the backward is split (else b = B), a[v][j] / g[v][j] the
+    the input-gradient half when the backward is split (else b = B; measured times give b and
+    W as timed, and B = b + W), a[v][j] / g[v][j] the
     latency of the activation F[v] sends / the gradient B[v] sends (0 when PP = 1):
 
       arrive(v, j) = sum_{u<v} (F + a)[u][j]     F[v][j] starts no earlier
@@ -59,6 +60,9 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
 
     forward, backward = virtual(realization.forward), virtual(realization.backward_total)
     input_grad = half * backward
+    if split_backward and realization.backward_input is not None:  # measured: b and W as timed, B = b + W
+        input_grad = virtual(realization.backward_input)
+        backward = input_grad + virtual(realization.weight)
     linked = 1.0 if pp > 1 else 0.0  # a rank's message to itself arrives at once
     sent_forward = linked * virtual(realization.activation_latency)
     sent_backward = linked * virtual(realization.gradient_latency)

@@ -63,6 +63,11 @@ class Variability:
     a2a_time: float = 0.0
     """All-to-all time per F (and per B) of a stage at a balanced load, in units of f0; it
     scales with the slowest rank's load and stays in B when the backward is split."""
+    task_times: Optional[str] = None
+    """A file ``scripts/measure_task_times.py`` wrote: task durations are drawn from its measured
+    times instead of the compute model above (``measured.py``); message latencies stay modelled."""
+    task_times_workload: Optional[str] = None
+    """The file's workload to draw from (default: gpt, else its first)."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "f0": bound(0, 1e6, low_open=True),
@@ -90,11 +95,16 @@ class Variability:
         "num_experts": "--num-experts", "expert_parallel": "--expert-model-parallel-size",
         "moe_topk": "--moe-router-topk", "moe_tokens": "--moe-tokens", "moe_skew": "--moe-skew",
         "moe_concentration": "--moe-concentration", "moe_share": "--moe-share", "a2a_time": "--a2a-time",
+        "task_times": "--task-times", "task_times_workload": "--task-times-workload",
     }
     """The command-line flag of each field (``simulate``, ``bench``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, self.BOUNDS, {name: f"{name} ({flag})" for name, flag in self.FLAGS.items()})
+        if self.task_times is not None or self.task_times_workload is not None:
+            from .measured import check_variability
+
+            check_variability(self)
 
     def check_layout(self, num_stages: int) -> None:
         """The fields that depend on the pipeline: ValueError naming the flag."""
@@ -130,6 +140,11 @@ class Realization:
     host_cost: Optional[list] = None
     """Per stage, {"F": s, "B": s, "W": s}: a measured host cost added to every task of that kind
     (``with_host_cost``); None: tasks are their device time alone (the default model)."""
+    backward_input: Optional[list] = None
+    """Measured times (``measured.py``): a split backward's B, [stage][chunk][mb]; None: half of
+    backward_total (less its communication) each for B and W, the model's split."""
+    weight: Optional[list] = None
+    """Measured times: a split backward's W, beside ``backward_input``."""
 
     def duration(self, stage: int, task: Task, split_backward: bool) -> float:
         extra = self.host_cost[stage].get(task.kind.value, 0.0) if self.host_cost else 0.0
@@ -138,6 +153,9 @@ class Realization:
         full = self.backward_total[stage][task.chunk][task.microbatch]
         if not split_backward:
             return full + extra
+        if self.backward_input is not None:
+            table = self.backward_input if task.kind is Kind.B else self.weight
+            return table[stage][task.chunk][task.microbatch] + extra
         comm = self.backward_comm[stage][task.chunk][task.microbatch] if self.backward_comm else 0.0
         return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0) + extra
 
@@ -160,8 +178,9 @@ def lockstep(replicas: list[Realization]) -> Realization:
         tables = [getattr(r, field) for r in replicas]
         return None if tables[0] is None else np.maximum.reduce([np.asarray(t) for t in tables]).tolist()
 
-    if any(r.host_cost is not None or r.backward_comm is not None for r in replicas):
-        raise ValueError("lockstep: replicas with a host cost or all-to-all time are not modelled")
+    if any(r.host_cost is not None or r.backward_comm is not None or r.backward_input is not None
+           for r in replicas):
+        raise ValueError("lockstep: replicas with a host cost, all-to-all time or measured times are not modelled")
     return Realization(*(slowest(name) for name in ("forward", "backward_total", "activation_latency",
                                                     "gradient_latency")))
 
@@ -193,6 +212,10 @@ def moe_load_factor(v: Variability, shape: tuple[int, ...], rng: np.random.Gener
 def sample_realization(variability: Variability, topology: Topology, num_microbatches: int,
                        seed: int) -> Realization:
     v, pp, chunks, m = variability, topology.num_stages, topology.num_chunks, num_microbatches
+    if v.task_times is not None:  # measured durations instead of the model below
+        from .measured import measured_realization
+
+        return measured_realization(v, topology, m, seed)
     rng = np.random.default_rng(seed)
     shape = (pp, chunks, m)
     per_chunk = v.f0 / chunks
