@@ -69,6 +69,7 @@ rrfp_setup() {
 
     if [[ "$RRFP_CPU" == 1 ]]; then
         export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+        export CUDA_VISIBLE_DEVICES=   # CPU mode on a GPU node: gloo ranks that see no GPU (megatron-core would use it)
         if [[ "${SLURM_JOB_NUM_NODES:-1}" == 1 && -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
             export GLOO_SOCKET_IFNAME=lo   # one node: loopback (containers often resolve the hostname oddly)
         fi
