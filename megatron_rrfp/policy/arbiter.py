@@ -4,41 +4,13 @@ Pure Python, no torch: the simulator and the distributed executor both drive thi
 so what the simulator predicts is what the executor does. Given the same sequence of
 ready sets, every instance makes the same choices — tensor-parallel ranks rely on that.
 
-Memory bound. ``in_flight`` = forwards run minus backwards run (minus *weight* tasks
-when the backward is split, since a deferred W still holds its activations); each
-(microbatch, chunk) forward counts 1. The limit is an int or a multiple of Megatron's own
-peak ("1x", "1.5x": budget.py). B and W never add memory and are always allowed. A
-forward F(j, c) is allowed only while the stage can still *finish its oldest microbatches
-in order* (a banker's safe state): with L the limit, held(k) the forwards of microbatch k
-in flight and need(k) its forwards not yet run on this stage,
-
-    in_flight < L   and   T_k = in_flight - sum_{i<k} held(i) + need(k) < L  for every
-                          microbatch k < j not yet finished on this stage.
-
-T_k is the memory the stage would hold when k runs its last forward if microbatches
-0..k-1 finished first. With L' = max(L, C) in place of L (a microbatch must be able to
-hold its C chunks), this gives:
-
-* memory: in_flight <= L' always (T of the oldest unfinished microbatch >= in_flight), so
-  in_flight <= L for L >= C and <= C <= L + C - 1 below that;
-* no deadlock for any L >= 1 under reliable communication. Invariant: T_k <= L' for every
-  unfinished k — true at the start (T_k = C), kept by B and W (they lower in_flight and
-  held(k) together) and by F(j) (it raises T_k, k < j, only where T_k < L'). Let j be the
-  lowest microbatch unfinished anywhere; its earliest pending task is ready. A B or W is
-  always allowed; an F(j, c) is allowed because j is the oldest on that stage and
-  T_j <= L' with need(j) >= 1 means in_flight < L'. Every hint returns a task when one is
-  allowed and ready (ordered hints fall back to the oldest microbatch outside their
-  lookahead window, hints.py), so that stage dispatches.
-
-Without chunks this is the paper's "drain backward only" at the limit; with chunks it
-replaces the paper's "finish one microbatch at a time", which serialised the pipeline.
-
-Bytes (``membytes.py``): with ``memory_bytes`` (per-stage weights and budgets, measured by
-the runtime) the arbiter also keeps a modelled byte level within its stage's budget: a
-forward is admitted as above *and* while it fits in bytes (the same banker's scan, weighted;
-the oldest unfinished microbatch is never refused by it, so it cannot deadlock), and a B
-whose split would not fit runs unsplit (``defers_weight`` False: its W is then a no-op that
-releases nothing, since the B released its memory).
+Memory bound: ``in_flight`` (forwards run minus backwards run, minus W when the backward is
+split) stays within the buffer limit, an int or a multiple of Megatron's own peak ("1x",
+"1.5x": budget.py). B and W are always allowed; a forward only while the stage can still
+finish its oldest microbatches in order (a banker's safe state), which keeps memory within
+max(limit, chunks) and makes deadlock impossible for any limit >= 1 (the argument:
+docs/design/deadlock-freedom.md). With ``memory_bytes`` (``membytes.py``) a forward must also
+fit the stage's byte budget, and a B whose split would not fit runs unsplit.
 
 Strict mode runs the hint's order exactly (the fixed-order baseline inside the same
 runtime); its memory is the order's own, so the buffer limit does not apply.

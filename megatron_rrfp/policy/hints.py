@@ -31,7 +31,7 @@ pipeline stage): a stage may run any ready task among the first K entries of its
 has not run yet — the plan, slipped where the run time made it stale — but not leap
 further ahead (with K = inf a stage 0 ran every chunk-0 forward first and left no memory
 for the deeper chunks). Outside the window only the stage's oldest unfinished microbatch
-may fill idle time, which keeps the arbiter deadlock-free (arbiter.py).
+may fill idle time, which keeps the arbiter deadlock-free (docs/design/deadlock-freedom.md).
 """
 from __future__ import annotations
 
@@ -258,11 +258,8 @@ class OrderedHint(Hint):
     ``waits_for_forward``: when the next entry is a forward the memory rule admits but whose
     input has not arrived, wait for it instead of running a ready backward ahead of it (what
     ``default`` reads for 1F1B without the split at 1x, ``default_choice``). Deadlock-free on
-    Megatron's one-chunk 1F1B order while every stage may hold stage s's Megatron count
-    PP - s: stage s waits for F(j) only after running every B(i < j - PP + s + 1), so a stage
-    above it whose memory refuses F(j) holds F(o..j-1) with j - o >= PP - s and has its
-    oldest backward, B(o), on the way (1x in forwards in flight is stage 0's count; in bytes,
-    mcore/byte_limit.py, the fullest stage's count times its bytes per forward)."""
+    Megatron's one-chunk 1F1B order while every stage may hold its Megatron count, which the
+    arbiter checks (docs/design/deadlock-freedom.md)."""
 
     def __init__(self, name: str, orders: Optional[Sequence[Sequence[Task]]] = None, *,
                  lookahead: int | str | None = DEFAULT_LOOKAHEAD, waits_for_forward: bool = False) -> None:
