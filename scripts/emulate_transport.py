@@ -17,7 +17,7 @@ collectives and p2p, the worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see th
 ``rounds`` is the shipped device transport (with the whole-stage agreement where interleaved DP
 overlap needs it, ``mcore/dp_overlap.py``); ``early-receive`` replays the CUDA path this
 project had before it; ``rounds-without-ring-rule``, ``rounds-unagreed`` and ``rounds-dp-unagreed``
-each drop one rule (see ``verify/emulated_pipeline.py``). Prints one line per
+each drop one rule (see ``tests/helpers/emulated_pipeline.py``). Prints one line per
 configuration of ``rounds`` that did not complete, then a summary per protocol:
 completed / device deadlocks / other failures.
 """
@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # the package and tests/helpers
 
 
 def main() -> int:
@@ -40,7 +44,7 @@ def main() -> int:
                              "a starved host thread looks like one: raise it (e.g. 8 at load > 10)")
     parser.add_argument("--dp-stress", action="store_true",
                         help="only interleaved DP=2 jobs with pipelines at very different paces "
-                             "(emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
+                             "(tests/helpers/emulated_pipeline.dp_stress_jobs): where rounds-dp-unagreed can deadlock")
     parser.add_argument("--dp-after-loop", action="store_true",
                         help="with --dp-stress: the DP communication out of the task loop instead of the "
                              "whole-stage agreement (--rrfp-dp-overlap after-loop)")
@@ -52,7 +56,7 @@ def main() -> int:
                      "interleaved DP=2 jobs); add --dp-stress")
     if not args.quiet_s > 0:
         parser.error(f"--quiet-s must be > 0, got {args.quiet_s}")
-    from megatron_rrfp.verify.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
+    from helpers.emulated_pipeline import PROTOCOLS, dp_stress_jobs, random_jobs, run_emulated
 
     protocols = args.protocols.split(",")
     for protocol in protocols:

@@ -11,10 +11,14 @@ worst cells. ``auto`` on a device with room for 4x is the 4x column.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 import warnings
 
-from megatron_rrfp.sim.grid import WORKLOADS, evaluate
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # the package and tests/helpers
+from helpers.default_grid import WORKLOADS, evaluate  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:

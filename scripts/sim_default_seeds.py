@@ -13,16 +13,21 @@ judged on the first set, against the rule.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import warnings
 
 from megatron_rrfp.policy.arbiter import ArbiterConfig
 from megatron_rrfp.policy.hints import HintError
 from megatron_rrfp.policy.plan import Plan
 from megatron_rrfp.policy.topology import Topology
-from megatron_rrfp.sim.grid import NAMED_HINTS, SPLIT_ONLY, WORKLOADS, workload
 from megatron_rrfp.sim.simulator import simulate
 from megatron_rrfp.sim.variability import sample_realization
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # the package and tests/helpers
+from helpers.default_grid import NAMED_HINTS, SPLIT_ONLY, WORKLOADS, workload  # noqa: E402
 
 SECOND_SET = 1000
 TOLERANCE = 1.01

@@ -76,8 +76,13 @@ def test_interleaved_runs_alternate_the_schedules():
 def test_summary_with_task_records_feeds_the_suite_row():
     """summarize() on per-rank records as bench_rank writes them: the host-cost simulation
     runs, the ratios are per rank against Megatron, and the suite's row and table carry them."""
+    import os
+    import runpy
+
     from megatron_rrfp.bench.run import BenchConfig, summarize
-    from megatron_rrfp.bench.suite import markdown, row
+
+    suite = runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_suite.py"))
+    markdown, row = suite["markdown"], suite["row"]
 
     config = BenchConfig(pipeline_size=2, num_microbatches=4, schedules=("megatron-1f1b", "rrfp-default"),
                          iterations=1, warmup=0, variability="j0", f0_ms=10.0)

@@ -539,7 +539,7 @@ def test_tradeoff_curve_json_and_png(tmp_path):
        hint=st.sampled_from(["default", "bfw", "zbh1"]), strict=st.booleans(), limit=st.sampled_from(["1x", "2x", 32]),
        seed=st.integers(0, 2**16))
 def test_weight_tasks_run_in_backward_order_per_chunk(pp, chunks, microbatches, hint, strict, limit, seed):
-    """Transformer Engine's per-module weight-gradient queue is FIFO (mcore/wgrad_te.py), so on
+    """Transformer Engine's per-module weight-gradient queue is FIFO (split/te.py), so on
     every stage the W of a chunk must run in the order of that chunk's B — under any timing."""
     import random
 
@@ -589,7 +589,7 @@ def test_default_is_the_best_named_hint_at_every_memory_limit():
     """Above 1x bfw once beat the default (then always zbh1) by up to 17%. On the same seeds the default's
     median makespan is within 1% of the best allowed named hint (bf, bfw, zbh1, 1f1b, gpipe)
     and never above strict Megatron (1F1B / interleaved), with and without the B/W split."""
-    from megatron_rrfp.sim.grid import evaluate
+    from helpers.default_grid import evaluate
 
     cells = [evaluate(pp, chunks, limit, name, seeds=9 if pp == 4 or not split else 3, split_backward_ok=split)
              for pp, chunks, limit, name, split in _DEFAULT_GRID_SUBSET]

@@ -13,9 +13,9 @@ import threading
 import pytest
 import torch
 
+from helpers.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
 from megatron_rrfp.policy.actions import Kind, Task
 from megatron_rrfp.runtime.agreement import AgreementError, TPAgreement
-from megatron_rrfp.verify.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
 from megatron_rrfp.verify.queue_device import ThreadCollective
 
 # random jobs name bf / bfw on interleaved layouts where the planner announces a loss (tests/test_policy.py)

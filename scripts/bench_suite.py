@@ -1,16 +1,16 @@
-"""The issue-30 benchmark table in one command: every configuration, Megatron's schedule
+"""The benchmark table of docs/benchmark.md in one command: every configuration, Megatron's schedule
 against RRFP's default, measured, simulated, simulated with the measured per-task host cost,
 where the time goes, and memory beside every speed figure.
 
-    python -m megatron_rrfp.bench.suite --preset all --f0-ms 50,200 --out rrfp-out/suite
+    python scripts/bench_suite.py --preset all --f0-ms 50,200 --out rrfp-out/suite
 
-Presets: ``split`` (issue 30 item 1: j0, dense PP4, TP2xPP2 with and without SP, MoE
-EP2xPP2 — RRFP's summed task time per rank over Megatron's busy time, target <= 1.02) and
-``table`` (item 3: the issue's configurations plus dense PP4 / PP8, interleaved PP4 x 2
-chunks and multimodal PP4 — measured within 10% of the simulator, or the gap named, and
-never below 0.99x). Schedules alternate iteration by iteration (``--interleave``), each
-configuration runs under ``flock`` on ``--lock`` (other benchmarks on the host wait), and the
-load average before and after each configuration is recorded beside its row.
+Presets: ``split`` (j0, dense PP4, TP2xPP2 with and without SP, MoE EP2xPP2 — RRFP's
+summed task time per rank over Megatron's busy time, target <= 1.02) and ``table`` (the
+production configurations plus dense PP4 / PP8, interleaved PP4 x 2 chunks and multimodal
+PP4 — measured within 10% of the simulator, or the gap named, and never below 0.99x).
+Schedules alternate iteration by iteration (``--interleave``), each configuration runs
+under ``flock`` on ``--lock`` (other benchmarks on the host wait), and the load average
+before and after each configuration is recorded beside its row.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
-from ..sim.variability import Variability
-from .run import BenchConfig, run_bench
+from megatron_rrfp.bench.run import BenchConfig, run_bench
+from megatron_rrfp.sim.variability import Variability
 
 _MOE = dict(num_experts=4, expert_parallel=2, moe_topk=2)
 _IMAGES = dict(images_per_sample=1.0, encoder_time_per_image=0.5, image_token_share=0.6)
-# name -> (BenchConfig fields, variability of the item-3 table); item 1 runs every split config at j0
+# name -> (BenchConfig fields, variability in the 'table' preset); the 'split' preset runs its configs at j0
 CONFIGS = {
     "dense-pp4": (dict(pipeline_size=4, num_microbatches=16), "j3"),
     "tp2pp2-sp": (dict(pipeline_size=2, tensor_parallel=2, sequence_parallel=True, num_microbatches=8), "j3"),
@@ -108,7 +108,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_rrfp.bench.suite", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/bench_suite.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="all")
     p.add_argument("--only", default="", help="comma list of configuration names (default: the preset's)")
     p.add_argument("--f0-ms", default="50,200", help="comma list of emulated forward times (default %(default)s)")

@@ -1,4 +1,6 @@
-"""The real executor, TP agreement and transport on single-queue stand-in GPUs (``queue_device``).
+"""The real executor, TP agreement and transport on single-queue stand-in GPUs
+(``megatron_rrfp.verify.queue_device``): test code, run by tests/test_transport_emulated.py and
+scripts/emulate_transport.py, never by the package.
 
 ``run_emulated(config)`` runs a whole PP x TP job in one process, a thread per rank: each
 rank's ``PipelineIteration`` with the shipped ``Arbiter``, ``TPAgreement`` and either
@@ -30,15 +32,30 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy.actions import Task
-from ..policy.arbiter import ArbiterConfig
-from ..policy.plan import Plan
-from ..policy.topology import Topology
-from ..runtime.agreement import TPAgreement
-from ..runtime.executor import Inbox, PipelineIteration
-from ..runtime.rounds import RoundTransport
-from ..runtime.transport import HEADER_LEN, Message, SelfDelivering, decode_header, encode_header, payload_bytes
-from .queue_device import ChannelHub, EmulatedChannel, EmulatedDevice, Op, QueueFabric, ThreadCollective, TPGroupOps
+from megatron_rrfp.policy.actions import Task
+from megatron_rrfp.policy.arbiter import ArbiterConfig
+from megatron_rrfp.policy.plan import Plan
+from megatron_rrfp.policy.topology import Topology
+from megatron_rrfp.runtime.agreement import TPAgreement
+from megatron_rrfp.runtime.executor import Inbox, PipelineIteration
+from megatron_rrfp.runtime.rounds import RoundTransport
+from megatron_rrfp.runtime.transport import (
+    HEADER_LEN,
+    Message,
+    SelfDelivering,
+    decode_header,
+    encode_header,
+    payload_bytes,
+)
+from megatron_rrfp.verify.queue_device import (
+    ChannelHub,
+    EmulatedChannel,
+    EmulatedDevice,
+    Op,
+    QueueFabric,
+    ThreadCollective,
+    TPGroupOps,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,6 +1,6 @@
 """Is ``default`` the best shipped policy? One grid cell: every named hint and ``default`` on
-the same seeds, medians of makespans (issue 27; ``scripts/sim_default_grid.py`` sweeps the
-grid, ``tests/test_policy.py`` a subset).
+the same seeds, medians of makespans (``scripts/sim_default_grid.py`` and
+``scripts/sim_default_seeds.py`` sweep the grid, ``tests/test_policy.py`` checks a subset).
 
 A cell is (PP, chunks, buffer limit, workload, whether the backward can split). ``default``
 is compared with the best *allowed* named hint (``bfw`` and ``zbh1`` need the split; ``gpipe``
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..policy.arbiter import ArbiterConfig
-from ..policy.hints import HintError
-from ..policy.plan import Plan
-from ..policy.topology import Topology
-from .simulator import median, simulate
-from .variability import VARIABILITY_LEVELS, Variability, sample_realization
+from megatron_rrfp.policy.arbiter import ArbiterConfig
+from megatron_rrfp.policy.hints import HintError
+from megatron_rrfp.policy.plan import Plan
+from megatron_rrfp.policy.topology import Topology
+from megatron_rrfp.sim.simulator import median, simulate
+from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, sample_realization
 
 NAMED_HINTS = ("bf", "bfw", "zbh1", "1f1b", "gpipe")
 SPLIT_ONLY = ("bfw", "zbh1")
@@ -56,7 +56,7 @@ class Cell:
 
     @property
     def default_over_best(self) -> float:
-        """default's median makespan / the best named hint's (issue 27: <= 1.01)."""
+        """default's median makespan / the best named hint's (the target: <= 1.01)."""
         return self.makespans["default"] / self.best_named[1]
 
     @property
