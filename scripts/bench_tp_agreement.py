@@ -30,7 +30,7 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.bench.hooks import sleep_before_tasks
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
@@ -40,8 +40,8 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
     enable_cpu_reference_schedules()
     config = models.tiny_gpt_config()
     model = models.build_gpt_stage(config, vocab_size=64, seq_length=16, seed=1)
-    delay_tasks(lambda t: f0_s * (1 if t.kind.value == "F" else 2))  # emulated device time
-    options = RRFPConfig()
+    # emulated device time
+    options = RRFPConfig(around_task=sleep_before_tasks(lambda t: f0_s * (1 if t.kind.value == "F" else 2)))
     rows = []
     for it in range(iterations + 1):
         data = models.synthetic_gpt_batches(seed=it, micro_batch_size=2, seq_length=16, vocab_size=64)

@@ -94,22 +94,19 @@ def test_bench_dp2_pp2_interleaved_with_emulated_dp_communication(tmp_path):
 
 
 def test_held_messages_of_one_sender_keep_their_order_when_asked():
-    """The emulator's links are FIFO (bench/hooks.delay_messages(fifo_per_sender=True)): a message
+    """The emulator's links are FIFO (bench/hooks.HeldMessages(fifo_per_sender=True)): a message
     with a shorter delay waits behind an earlier one from the same sender, not behind another's."""
-    from megatron_rrfp.bench.hooks import delay_messages
+    from megatron_rrfp.bench.hooks import HeldMessages
     from megatron_rrfp.runtime.inbox import Inbox
 
     inbox = Inbox()
     message = SimpleNamespace
-    delay_messages(lambda m: 0.2 if m.microbatch == 0 else 0.0, fifo_per_sender=True)
-    try:
-        for mb, src in ((0, 1), (1, 1), (2, 2)):
-            inbox.put(message(kind="activation", microbatch=mb, chunk=0, tensor=None, src=src))
-        arrived: list = []
-        start = time.monotonic()
-        while len(arrived) < 3 and time.monotonic() - start < 5:
-            arrived += [m.microbatch for m in inbox.drain()]
-            inbox.wait(0.02)
-    finally:
-        delay_messages(None)
+    inbox.deliver = HeldMessages(lambda m: 0.2 if m.microbatch == 0 else 0.0, fifo_per_sender=True)
+    for mb, src in ((0, 1), (1, 1), (2, 2)):
+        inbox.put(message(kind="activation", microbatch=mb, chunk=0, tensor=None, src=src))
+    arrived: list = []
+    start = time.monotonic()
+    while len(arrived) < 3 and time.monotonic() - start < 5:
+        arrived += [m.microbatch for m in inbox.drain()]
+        inbox.wait(0.02)
     assert arrived == [2, 0, 1]

@@ -41,6 +41,11 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
     assert mode(models=[_ddp(False, False)] * 2) == mode(forward_only=True) == IN_LOOP
     assert mode(dp=1, choice="after-loop") == IN_LOOP
     assert mode(device="cpu", choice="after-loop") == mode(models=chunks[:1], choice="after-loop") == AFTER_LOOP
+    # a named lockstep applies on any device too (its cost, measured on CPU: bench --whole-stage-agreement), but
+    # only where there is something to place in the loop; the rule itself asks for it on CUDA only
+    assert mode(device="cpu", choice="lockstep") == LOCKSTEP
+    assert mode(device="cpu", choice="lockstep", models=chunks[:1]) == mode(dp=1, choice="lockstep") == IN_LOOP
+    assert not whole_stage_agreement(chunks, device_type="cpu", data_parallel_size=2)
     assert dp_overlap.describe(AFTER_LOOP, "auto", chunks, 2) == (
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter all-gathers "
         "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap auto; 'lockstep' "

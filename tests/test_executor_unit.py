@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers.loopback import LoopbackMessage, LoopbackNetwork, RecordingWork
-from megatron_rrfp.bench.hooks import delay_messages
+from megatron_rrfp.bench.hooks import HeldMessages
 from megatron_rrfp.policy.actions import Kind, Task, format_order
 from megatron_rrfp.policy.arbiter import ArbiterConfig
 from megatron_rrfp.policy.plan import Plan
@@ -168,17 +168,14 @@ def test_forward_only_refuses_gradients():
 def test_delayed_messages_are_held_back_each_by_its_own_delay():
     inbox = Inbox()
     delays = {0: 0.4, 3: 0.25}
-    delay_messages(lambda message: delays.get(message.microbatch, 0.0))
-    try:
-        start = time.monotonic()
-        for mb in range(6):
-            inbox.put(LoopbackMessage("activation", mb, 0, None, 0))
-        arrived: list = []
-        while len(arrived) < 6 and time.monotonic() - start < 5:
-            arrived += [(m.microbatch, time.monotonic() - start) for m in inbox.drain()]
-            inbox.wait(0.05)
-    finally:
-        delay_messages(None)
+    inbox.deliver = HeldMessages(lambda message: delays.get(message.microbatch, 0.0))  # RRFPConfig.deliver_message
+    start = time.monotonic()
+    for mb in range(6):
+        inbox.put(LoopbackMessage("activation", mb, 0, None, 0))
+    arrived: list = []
+    while len(arrived) < 6 and time.monotonic() - start < 5:
+        arrived += [(m.microbatch, time.monotonic() - start) for m in inbox.drain()]
+        inbox.wait(0.05)
     assert [mb for mb, _ in arrived] == [1, 2, 4, 5, 3, 0]
     at = dict(arrived)
     assert at[5] < 0.2 and 0.2 < at[3] < at[0] and at[0] > 0.35

@@ -243,7 +243,7 @@ def _rrfp_job_with_recorder(path: str):
     from megatron.core.timers import Timers
 
     from helpers import mlp
-    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.bench.hooks import sleep_before_tasks
     from megatron_rrfp.goodput.recorder import breakdown_vector
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
@@ -258,8 +258,7 @@ def _rrfp_job_with_recorder(path: str):
     extend_timer_logging(timers)
     recorder = GoodputRecorder(path, rank=rank, world=dist.get_world_size(), job="rrfp-e2e")
     recorder.job_start()
-    delay_tasks(lambda task: 0.02 if rank == 1 else 0.0)
-    options = RRFPConfig()
+    options = RRFPConfig(around_task=sleep_before_tasks(lambda task: 0.02 if rank == 1 else 0.0))
     vectors = []
     for it in (1, 2, 3):
         recorder.iteration_start(it)

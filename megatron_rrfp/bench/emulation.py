@@ -9,11 +9,14 @@ stream ahead of the task's real kernels, and the task ends when the stream has d
 sync point), so spans and send times are the device's, for every schedule alike.
 
 Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``hooks.py``):
-* every task (``wrap_tasks``): sleep F / B / W of (stage, chunk, microbatch);
+* every task: sleep F / B / W of (stage, chunk, microbatch) — F and B inside megatron-core's
+  ``forward_step`` / ``backward_step`` (``wrap_megatron_tasks``), RRFP's W through
+  ``RRFPConfig.around_task`` (``rrfp_options``);
 * message latency — a message becomes usable at (its send time + modeled latency):
-  Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox holds the
-  message back (``delay_messages``). Send times go through a small table in shared memory
-  (one machine), written by the sender right after the task that produced it.
+  Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox is handed the
+  message then (``RRFPConfig.deliver_message``: ``hooks.HeldMessages``). Send times go
+  through a small table in shared memory (one machine), written by the sender right after the
+  task that produced it.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from ..policy.hints import megatron_1f1b_order
 from ..policy.topology import Topology
 from ..sim.variability import Realization
 from ..trace.chrome import Span
-from .hooks import delay_messages, wrap_tasks
+from .hooks import HeldMessages, weight_tasks, wrap_megatron_tasks
 
 _F, _B = 0, 1
 
@@ -98,6 +101,9 @@ class DeviceTimeEmulator:
         self._link_clear: dict[int, float] = {}
         self._installed = False
         self.comm = None  # comm_emulation.CommEmulator when DP / expert communication is emulated
+        self._around_weight = weight_tasks(self._run_task)  # RRFP's W: its own task, not megatron-core's
+        self._held = HeldMessages(self.held_for, fifo_per_sender=True)
+        self._hold_rrfp_messages = False
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -108,7 +114,7 @@ class DeviceTimeEmulator:
         if self._installed:
             return self
         self.rank = dist.get_rank()
-        wrap_tasks(self._run_task)
+        wrap_megatron_tasks(self._run_task)
         communicate = p2p_communication.P2PCommunicator._communicate
         emulator = self
 
@@ -130,8 +136,14 @@ class DeviceTimeEmulator:
         return self
 
     def delay_rrfp_messages(self, enabled: bool) -> None:
-        """Hold RRFP's received messages until their modeled arrival (on) or not (off)."""
-        delay_messages(self.message_delay if enabled else None, fifo_per_sender=True)
+        """Hold RRFP's received messages until their modeled arrival (on) or not (off), from the
+        next ``rrfp_options()`` on."""
+        self._hold_rrfp_messages = enabled
+
+    def rrfp_options(self) -> dict:
+        """``RRFPConfig`` keywords that put RRFP's W and its received messages under the emulation."""
+        return {"around_task": self._around_weight,
+                "deliver_message": self._held if self._hold_rrfp_messages else None}
 
     def _run_task(self, task: Task, run):
         """Sleep the task's modeled device time, compute it, note when its output left."""
@@ -165,8 +177,8 @@ class DeviceTimeEmulator:
 
     # -- RRFP's inbox hook -----------------------------------------------------------
 
-    def message_delay(self, message) -> float:
-        """Seconds the transport holds ``message`` back: until send time + latency."""
+    def held_for(self, message) -> float:
+        """Seconds ``message`` is held back before RRFP's loop sees it: until send time + latency."""
         direction = _F if message.kind == "activation" else _B
         task = Task(Kind.F if direction == _F else Kind.B, message.microbatch, message.chunk)
         return max(0.0, self._usable_at(direction, task) - time.time())

@@ -12,6 +12,8 @@ from typing import Optional
 
 from ..checks import TIMEOUT_S
 from ..policy.arbiter import ArbiterConfig
+from ..runtime.executor import AroundTask
+from ..runtime.inbox import Deliver
 from .dp_overlap import DP_OVERLAP_CHOICES
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -44,7 +46,15 @@ class RRFPConfig:
     host tensors) or 'auto' (rounds on CUDA, threads on CPU); see mcore/session.py."""
     dp_overlap: str = "auto"
     """Where overlapped DP communication goes with interleaving and DP > 1 on CUDA: 'lockstep',
-    'after-loop' (on any device when named) or 'auto' (--rrfp-dp-overlap; mcore/dp_overlap.py)."""
+    'after-loop' (either on any device when named) or 'auto' (--rrfp-dp-overlap; mcore/dp_overlap.py)."""
+    around_task: Optional[AroundTask] = None
+    """Called as ``around_task(task, run)`` for each F / B / W this rank runs; ``run()`` does the
+    task's work (instrumentation from outside the runtime: profiler ranges, the bench's emulated
+    device time). None runs each task directly."""
+    deliver_message: Optional[Deliver] = None
+    """Called as ``deliver_message(message, put)`` on the transport's thread for each message that
+    arrives; ``put(message)`` hands it to the task loop, now or later (the bench's emulated link
+    latency). None hands every message over at once."""
 
     def __post_init__(self) -> None:
         budget = self.activation_budget_bytes

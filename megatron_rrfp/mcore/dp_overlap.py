@@ -40,7 +40,8 @@ communication is large against the pipeline's work: name ``lockstep`` there. The
 their commands: docs/production-configurations.md ("The whole-stage agreement's cost").
 
 CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing; an
-explicit ``after-loop`` applies on any device.
+explicit ``after-loop`` applies on any device, and so does an explicit ``lockstep`` with
+interleaving (on CPU it measures what the rule costs: ``megatron-rrfp bench --whole-stage-agreement``).
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def overlapping_flags(models) -> list[str]:
 def whole_stage_agreement(models, *, device_type: str, data_parallel_size: int, forward_only: bool = False) -> bool:
     """Does DP communication here need a rule on CUDA (interleaving, DP > 1, an overlap flag), so
     that lock-step spans every DP replica of the stage (module docstring)?"""
-    return dp_communication(models, device_type=device_type, data_parallel_size=data_parallel_size,
-                            choice=LOCKSTEP, forward_only=forward_only) == LOCKSTEP
+    return device_type == "cuda" and dp_communication(
+        models, device_type=device_type, data_parallel_size=data_parallel_size, choice=LOCKSTEP,
+        forward_only=forward_only) == LOCKSTEP
 
 
 IN_LOOP, LOCKSTEP, AFTER_LOOP = "in-loop", "lockstep", "after-loop"
@@ -83,7 +85,7 @@ def dp_communication_of_layout(*, overlap: bool, num_chunks: int, device_type: s
         return IN_LOOP
     if choice == AFTER_LOOP:
         return AFTER_LOOP
-    if device_type != "cuda" or num_chunks < 2:
+    if num_chunks < 2 or (device_type != "cuda" and choice != LOCKSTEP):
         return IN_LOOP
     return LOCKSTEP if choice == LOCKSTEP else AFTER_LOOP  # auto: after-loop (module docstring)
 

@@ -171,7 +171,8 @@ def forward_backward_rrfp(
             work=work, arbiter=arbiter, topology=topology, stage=stage, stage_ranks=pp_ranks,
             transport=runtime.transport, inbox=runtime.inbox, agreement=agreement, timeout_s=options.timeout_s,
             forward_only=forward_only, record_spans=options.record_spans, memory=meter,
-            measure_task_bytes=in_bytes.calibrating)
+            measure_task_bytes=in_bytes.calibrating, around_task=options.around_task,
+            deliver_message=options.deliver_message)
         report = iteration.run()
         if wgrad_store is not None:
             report.peak_deferred_wgrad_bytes = wgrad_store.peak_pending_bytes

@@ -182,8 +182,8 @@ class MegatronLMHooks:
     ``attach()`` wraps the entry point (inert until a run is active); ``activate(options)``
     wraps the names Megatron looks up at call time and makes the next setup start a run;
     ``deactivate()`` / ``detach()`` put Megatron's functions back (those still ours).
-    ``get_args`` / ``get_timers``: Megatron-LM's global_vars functions; ``last_report``:
-    megatron_rrfp.mcore.schedule.last_iteration_report (injectable for tests).
+    ``get_args`` / ``get_timers``: Megatron-LM's global_vars functions; ``last_report``: where the
+    schedule's report is read (default megatron_rrfp.mcore.schedule.last_iteration_report).
     """
 
     def __init__(self, training: types.ModuleType, *, get_args: Callable, get_timers: Callable,

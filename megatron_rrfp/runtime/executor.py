@@ -35,7 +35,7 @@ from ..policy.arbiter import Arbiter
 from ..policy.topology import Topology
 from ..trace.chrome import Span, message_key
 from .agreement import Agreed, AgreementError, TPAgreement
-from .inbox import Inbox
+from .inbox import Deliver, Inbox
 from .memory import ActivationMeter, TaskBytes
 from .profiling import TaskClock
 from .report import BREAKDOWN_FIELDS, IterationReport
@@ -54,6 +54,11 @@ class StageWork(Protocol):
                  send: Optional[Callable[[torch.Tensor], None]]) -> None: ...
 
     def weight(self, task: Task) -> None: ...
+
+
+AroundTask = Callable[[Task, Callable[[], None]], None]
+"""``around_task(task, run)``: called for each F / B / W with ``run()``, which does the task's
+work; runs it once, on the loop's thread (instrumentation: profiler ranges, emulated device time)."""
 
 
 class Transport(Protocol):
@@ -86,8 +91,11 @@ class PipelineIteration:
     def __init__(self, *, work: StageWork, arbiter: Arbiter, topology: Topology, stage: int,
                  stage_ranks: list[int], transport, inbox: Inbox, agreement: Optional[TPAgreement],
                  timeout_s: float, forward_only: bool, record_spans: bool = False,
-                 memory: Optional[ActivationMeter] = None, measure_task_bytes: bool = False) -> None:
+                 memory: Optional[ActivationMeter] = None, measure_task_bytes: bool = False,
+                 around_task: Optional[AroundTask] = None, deliver_message: Optional[Deliver] = None) -> None:
         self.work, self.arbiter, self.topology, self.stage = work, arbiter, topology, stage
+        self.around_task = around_task  # RRFPConfig.around_task: each F / B / W's work runs inside it
+        inbox.deliver = deliver_message  # RRFPConfig.deliver_message: how arriving messages reach this loop
         self.memory = memory  # counts the messages waiting here as held activation memory
         # what each task weighs, for the byte budget's calibration call only (mcore/byte_limit.py):
         # every other call keeps the per-task windows off its hot path
@@ -420,7 +428,7 @@ class PipelineIteration:
             received = self._take(self.activations, (mb, chunk))
             if self.task_bytes is not None:
                 self.task_bytes.begin()
-            self.work.forward(task, received, send)
+            self._work(task, self.work.forward, received, send)
             self._released(received)
             if self.task_bytes is not None:
                 self.task_bytes.end_forward(received)
@@ -433,12 +441,18 @@ class PipelineIteration:
             measured = self.task_bytes if self.arbiter.defers_weight(task) else None
             if measured is not None:
                 measured.begin()
-            self.work.backward(task, received, send)
+            self._work(task, self.work.backward, received, send)
             self._released(received)
             if measured is not None:
                 measured.end_split_backward()
         else:
-            self.work.weight(task)
+            self._work(task, self.work.weight)
+
+    def _work(self, task: Task, method: Callable, *args) -> None:
+        if self.around_task is None:
+            method(task, *args)
+        else:
+            self.around_task(task, lambda: method(task, *args))
 
     @staticmethod
     def _take(received: dict, key: tuple[int, int]) -> Optional[torch.Tensor]:
@@ -495,5 +509,5 @@ class PipelineIteration:
                 f"  peers (stage -> rank): {dict(enumerate(self.stage_ranks))}")
 
 
-__all__ = ["BREAKDOWN_FIELDS", "Inbox", "IterationReport", "PipelineIteration", "PipelineStallError", "StageWork",
-           "Transport"]
+__all__ = ["BREAKDOWN_FIELDS", "AroundTask", "Inbox", "IterationReport", "PipelineIteration", "PipelineStallError",
+           "StageWork", "Transport"]

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
+
+Deliver = Callable[[Any, Callable[[Any], None]], None]
+"""``deliver(message, put)``: called on the transport's thread for each arriving message;
+``put(message)`` hands it to the task loop (now, or later from another thread)."""
 
 
 class Inbox:
@@ -15,9 +20,19 @@ class Inbox:
         self._error: Optional[BaseException] = None
         self._woken = False
         self._closed = False
+        self.deliver: Optional[Deliver] = None
+        """How arriving messages reach the loop (``RRFPConfig.deliver_message``, set by the task
+        loop); None: at once."""
 
     def put(self, message) -> None:
-        arrived = time.time()  # on the transport thread: when the message was complete here
+        deliver = self.deliver
+        if deliver is None:
+            self._put(message)
+        else:
+            deliver(message, self._put)
+
+    def _put(self, message) -> None:
+        arrived = time.time()  # when the message reached the loop's side (the transport's thread, or deliver's)
         with self._cv:
             if not self._closed:
                 self._messages.append((arrived, message))

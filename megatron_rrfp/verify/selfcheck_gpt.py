@@ -49,7 +49,7 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import schedules
 
-    from ..bench.hooks import delay_tasks
+    from ..bench.hooks import sleep_before_tasks
     from ..mcore.config import RRFPConfig
     from ..mcore.schedule import forward_backward_rrfp
     from ..mcore.session import shutdown
@@ -106,14 +106,14 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
 
         reference, candidate = build(True), build(False)
         rng = random.Random(ctx["seed"] * 101 + dist.get_rank())  # delays: per rank
-        options = RRFPConfig.of(timeout_s=ctx["stall_timeout_s"], transport="rounds", hint=hint, dp_overlap=dp_overlap)
+        options = RRFPConfig.of(timeout_s=ctx["stall_timeout_s"], transport="rounds", hint=hint, dp_overlap=dp_overlap,
+                                around_task=sleep_before_tasks(lambda task: rng.uniform(0, 0.005)))  # RRFP reorders
         data_seed = 100 + 7 * parallel_state.get_data_parallel_rank()
         loss_err = grad_err = 0.0
         for it in range(iterations):
             grads, losses = [], []
             for stages, schedule, extra in ((reference, reference_schedule, {}),
                                             (candidate, forward_backward_rrfp, {"rrfp_config": options})):
-                delay_tasks((lambda task: rng.uniform(0, 0.005)) if schedule is forward_backward_rrfp else None)
                 for s in stages:
                     if hasattr(s, "zero_grad_buffer"):
                         s.zero_grad_buffer()
@@ -129,7 +129,6 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
                     torch.cuda.synchronize()
                 losses.append([float(v) for x in out for v in x.values() for v in v.flatten()])
                 grads.append([g for s in stages for g in _grads(s)])
-            delay_tasks(None)
             if len(losses[0]) != len(losses[1]):
                 raise AssertionError(f"{len(losses[1])} losses vs Megatron's {len(losses[0])}")
             for a, b in zip(*losses):
@@ -149,7 +148,6 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
                   f"(tolerance {tolerance:g})")
         return ("PASS" if worst <= tolerance else "FAIL"), detail
     finally:
-        delay_tasks(None)
         shutdown()
         parallel_state.destroy_model_parallel()
 

@@ -13,7 +13,7 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import count_in_flight, count_received, delay_tasks
+    from megatron_rrfp.bench.hooks import count_in_flight, count_received, sleep_before_tasks
     from megatron_rrfp.mcore.compat import pipeline_device
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
@@ -48,12 +48,12 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     count_received(None)
     out["megatron"]["bytes_with_receives"] = meter.peak_bytes
     rng = random.Random(dist.get_rank() // tp)  # TP ranks of one stage drift alike (they agree anyway)
-    if jitter_s:
-        delay_tasks(lambda task: rng.uniform(0.0, jitter_s))
+    jitter = sleep_before_tasks(lambda task: rng.uniform(0.0, jitter_s)) if jitter_s else None
     worst = 0.0
     for _ in range(calls):
         zero()
-        forward_backward_rrfp(data_iterator=data(0), rrfp_config=RRFPConfig.of(timeout_s=120.0), **kwargs)
+        forward_backward_rrfp(data_iterator=data(0), rrfp_config=RRFPConfig.of(timeout_s=120.0, around_task=jitter),
+                              **kwargs)
         r = last_iteration_report()
         ours = grads()
         worst = max([worst] + [float((ours[n] - g).abs().max()) for n, g in reference.items()])
@@ -64,7 +64,6 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     from megatron_rrfp.mcore import byte_limit
 
     out["budgets"] = [repr(state.budgets) for state in byte_limit._states.values()]
-    delay_tasks(None)
     shutdown()
     torch.distributed.barrier()
     return out

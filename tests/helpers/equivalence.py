@@ -182,7 +182,7 @@ def compare_with_megatron(case: Case) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import delay_messages, delay_tasks
+    from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
@@ -199,16 +199,18 @@ def compare_with_megatron(case: Case) -> dict:
     if case.model == "multimodal":
         from megatron_rrfp.train.recipes.multimodal import multimodal_forward_step as forward_step
     rng = random.Random(case.delay_seed * 1000 + rank)
-    options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
-                            timeout_s=case.timeout_s, transport=case.transport, dp_overlap=case.dp_overlap)
     tasks_started = [0]
 
     def task_delay(task):  # also counts RRFP's tasks, to place the bucket launches
         tasks_started[0] += 1
         return rng.uniform(0.0, case.max_task_delay_s) if case.max_task_delay_s else 0.0
 
+    # the delays perturb RRFP's order only: they are its options (RRFPConfig.around_task, deliver_message)
+    late = HeldMessages(lambda message: case.late_delay_s) if case.late_rank == rank else None
+    options = RRFPConfig.of(hint=case.hint, strict=case.strict, buffer_limit=case.buffer_limit,
+                            timeout_s=case.timeout_s, transport=case.transport, dp_overlap=case.dp_overlap,
+                            around_task=sleep_before_tasks(task_delay), deliver_message=late)
     launches = _record_bucket_launches(candidate, tasks_started)
-    message_delay = (lambda message: case.late_delay_s) if case.late_rank == rank else None
     stage = parallel_state.get_pipeline_model_parallel_rank()
     topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
@@ -221,9 +223,6 @@ def compare_with_megatron(case: Case) -> dict:
         launches.clear()
         for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
                                        (candidate, forward_backward_rrfp, {"rrfp_config": options})):
-            rrfp = schedule is forward_backward_rrfp  # delays only perturb RRFP's order
-            delay_tasks(task_delay if rrfp else None)
-            delay_messages(message_delay if rrfp else None)
             _zero_grads(model)
             with torch.set_grad_enabled(not case.forward_only):
                 losses = schedule(forward_step_func=forward_step, data_iterator=_data(case, iteration), model=model,
@@ -250,8 +249,6 @@ def compare_with_megatron(case: Case) -> dict:
             grad_err = max([grad_err] + [_relative(ref_grads[n], our_grads[n]) for n in ref_grads])
             _sgd_step(reference, case.learning_rate)
             _sgd_step(candidate, case.learning_rate)
-    delay_tasks(None)
-    delay_messages(None)
     shutdown()
     grouped_te = None
     if case.model == "moe_grouped":

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
-from megatron_rrfp.bench.hooks import delay_messages, delay_tasks
+from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
 from megatron_rrfp.mcore.config import RRFPConfig
 from megatron_rrfp.mcore.schedule import forward_backward_rrfp, get_forward_backward_func, last_iteration_report
 
@@ -82,8 +83,7 @@ def unresponsive_peer(report_path: str, mode: str, timeout_s: float = 3.0) -> st
             os._exit(0)  # a hung rank that never comes back
         return 0.0
 
-    delay_tasks(misbehave)
-    options = RRFPConfig(timeout_s=timeout_s)
+    options = RRFPConfig(timeout_s=timeout_s, around_task=sleep_before_tasks(misbehave))
     start = time.monotonic()
     try:
         forward_backward_rrfp(forward_step_func=step, data_iterator=data, model=model, num_microbatches=6,
@@ -129,13 +129,16 @@ def stress(patterns: int, late_rank: int, seed: int = 0, progress_path: str | No
     options = RRFPConfig.of(timeout_s=timeout_s, hint="bf", buffer_limit=6)
     _, expected = run(options)
     mismatches, hangs, first_hang, orders, rounds = 0, 0, None, set(), 0
+    late = [0.0]  # this pattern's message delay on this rank
+    held = HeldMessages(lambda message: late[0])
     for pattern in range(patterns):
         rng = random.Random(seed * 7919 + pattern * 31 + rank)
         scale = rng.choice([0.0005, 0.002, 0.005])
-        delay_tasks(lambda task, rng=rng, scale=scale: rng.expovariate(1.0 / scale))
-        delay_messages((lambda m: 0.02) if rank == late_rank and pattern % 2 == 0 else None)
+        late[0] = 0.02 if rank == late_rank and pattern % 2 == 0 else 0.0
+        delayed = replace(options, deliver_message=held,
+                          around_task=sleep_before_tasks(lambda task, rng=rng, scale=scale: rng.expovariate(1 / scale)))
         try:
-            _, grads = run(options)
+            _, grads = run(delayed)
         except PipelineStallError as exc:
             hangs += 1
             first_hang = first_hang or f"pattern {pattern}: {exc}"
@@ -148,7 +151,5 @@ def stress(patterns: int, late_rank: int, seed: int = 0, progress_path: str | No
         if progress_path and rank == 0:
             with open(progress_path, "a", encoding="utf-8") as handle:
                 handle.write(f"{pattern + 1} {patterns}\n")
-    delay_tasks(None)
-    delay_messages(None)
     return {"rank": rank, "patterns": patterns, "mismatches": mismatches, "hangs": hangs, "first_hang": first_hang,
             "distinct_orders": len(orders), "agree_rounds": rounds}

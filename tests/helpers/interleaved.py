@@ -16,7 +16,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
 
-    from megatron_rrfp.bench.hooks import delay_tasks
+    from megatron_rrfp.bench.hooks import sleep_before_tasks
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
@@ -60,8 +60,9 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     step = mlp.mlp_forward_step if model == "mlp" else models.gpt_forward_step
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
-    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint)
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
+    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint,
+                            around_task=sleep_before_tasks(task_delay))  # perturbs RRFP only
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
     loss_err = grad_err = 0.0
@@ -72,7 +73,6 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
                                          (candidate, forward_backward_rrfp, {"rrfp_config": options})):
             for m in chunk_models:
                 _zero_grads(m)
-            delay_tasks(task_delay if run is forward_backward_rrfp else None)  # perturb RRFP only
             losses = run(forward_step_func=step, data_iterator=data(iteration), model=chunk_models,
                          num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs, **extra)
             outs.append((losses, [_grads(m) for m in chunk_models]))
@@ -90,7 +90,6 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
         for chunk_models in (reference, candidate):
             for m in chunk_models:
                 _sgd_step(m, 0.05)
-    delay_tasks(None)
     shutdown()
     return {"rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "orders": orders,
             "megatron_order": megatron_order, "num_losses": num_losses, "peak_in_flight": max(peaks),

@@ -33,7 +33,7 @@ def memory_checks(budget_forwards: float) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import count_in_flight, delay_tasks
+    from megatron_rrfp.bench.hooks import count_in_flight, sleep_before_tasks
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
@@ -63,13 +63,13 @@ def memory_checks(budget_forwards: float) -> dict:
     out["megatron"] = {"bytes": meter.peak_bytes, "in_flight": counter.peak, "method": meter.method}
 
     rng = random.Random(rank)
-    delay_tasks(lambda task: rng.uniform(0.0, 0.004))  # the stages drift: RRFP really reorders
+    drift = sleep_before_tasks(lambda task: rng.uniform(0.0, 0.004))  # the stages drift: RRFP really reorders
 
     def rrfp(**options) -> dict:
         forward_only = options.pop("forward_only", False)
         with torch.set_grad_enabled(not forward_only):  # evaluation runs under no_grad, as in Megatron-LM
             forward_backward_rrfp(data_iterator=data(), forward_only=forward_only,
-                                  rrfp_config=RRFPConfig.of(timeout_s=60.0, **options), **common)
+                                  rrfp_config=RRFPConfig.of(timeout_s=60.0, around_task=drift, **options), **common)
         r = last_iteration_report()
         return {"bytes": r.peak_activation_bytes, "in_flight": r.peak_in_flight, "limit": r.buffer_limit,
                 "wgrad_bytes": r.peak_deferred_wgrad_bytes, "method": r.activation_measure}
@@ -83,6 +83,5 @@ def memory_checks(budget_forwards: float) -> dict:
     out["budget"] = budget
     out["eval"] = rrfp(hint="bf", buffer_limit="auto", activation_budget_bytes=budget, forward_only=True)
     out["auto"] = [rrfp(hint="bf", buffer_limit="auto", activation_budget_bytes=budget) for _ in range(3)]
-    delay_tasks(None)
     shutdown()
     return out
