@@ -1,55 +1,14 @@
 """When gradient reductions may run: Megatron's contract, for any execution order.
 
-Megatron keeps reductions off (``config.no_sync_func``, one per chunk when interleaved)
-until a model chunk's *last* backward of the iteration, so DDP's hooks launch bucket
-reductions while that backward still computes; ``config.grad_sync_func`` (one per chunk)
-is an explicit alternative. Readiness-first changes *which* backward is last, not the
-rule, so the rule is stated here in terms of "the last backward of chunk c", counted as
-tasks run:
-
-* non-interleaved (exactly megatron-core's semantics): enable before the last backward if
-  there is no grad_sync_func or this is pipeline rank 0; at the end, if still disabled,
-  enable and call grad_sync_func;
-* interleaved: without grad_sync_func, enable for each chunk's last backward and disable
-  again afterwards; with it, call grad_sync_func[c] right after chunk c's last backward;
-  at the end, enable and sync every chunk not yet synced.
-
-Split backward (B now, W later): no_sync stays on over every B and W (DDP's own hook would
-count readiness too early from B and never for what B computes, see wgrad.py), and
-``SplitReadiness`` does DDP's counting instead: each parameter is registered ready once per
-iteration, when its gradient is complete — after the chunk's last W for what W computes
-(weight by weight inside that W), after the chunk's last B for everything else — so a bucket
-launches its reduction as soon as its last parameter is done, with DDP's golden counts
-(recorded in the first iteration, as Megatron's) exact. It applies where Megatron's contract
-reduces during the backward (``reduces_during_backward``); elsewhere the end does, as before.
-Launch order across DP ranks: a chunk's last W runs after its last B (W follows B per
-microbatch and the policy runs W in B order), and inside a W the weights complete in a fixed
-order, so every DP replica of a stage launches the same buckets in the same order whatever
-the timing (runtime/rounds.py's argument, extended there).
-
-Why no reduction can start before a chunk's last W under megatron's bucket layout (so none is
-tried): DDP buckets only pipeline rank 0 (``pp_rank > 0`` gets one bucket per chunk) and
-Megatron-LM only chunk 0 there, and every bucket mixes W-computed weights with B-only
-parameters (biases, norms), so a bucket is complete only once its chunk's last W has computed
-its weights. Reordering the Ws cannot help: on stage 0, the one stage with several buckets and
-the one whose reductions end the iteration, the default policy runs a single W of each chunk
-after the chunk's last B (``scripts/dp_overlap_figures.py`` prints the count), and inside that W
-the weights complete in B's order (last layers first, the order of DDP's buckets), each bucket
-launching as its last weight is done. B-only parameters in buckets of their own would launch
-after the last B; the simulator puts that at 0.02-0.15 f0 per iteration
-(docs/production-configurations.md), and it needs a different bucket layout (megatron-core
->= 0.19 takes one, ``full_param_layout``; 0.16 does not).
-
-``param_sync_func`` (distributed-optimizer parameter all-gather, interleaved): chunks 0 and 1
-before the first forward, chunk c + 1 (c >= 1) before chunk c's first forward — always
-before chunk c + 1 can run its own first forward on this rank.
-
-Outside the loop (``in_loop=False``, ``dp_overlap``'s after-loop choice): every chunk's
-all-gathers complete before the first task (``start_param_sync(force_sync=True)``, so DDP's
-forward pre-hooks find them done and issue none), no_sync stays on for every backward, and
-every chunk's reductions launch after the last task, chunk by chunk in bucket order
-(``grad_sync_func``, else DDP's ``start_grad_sync``; ``finalize_model_grads`` waits for them) —
-the same positions on every DP replica whatever order each ran its tasks in.
+Megatron keeps reductions off (``config.no_sync_func``) until a model chunk's *last* backward
+of the iteration, so DDP's hooks launch bucket reductions while that backward still computes.
+Readiness-first changes *which* backward is last, not the rule, so the rule is applied here to
+"the last backward of chunk c", counted as tasks run. Under the B/W split ``SplitReadiness``
+does DDP's readiness counting instead (a weight's gradient is complete only after its W);
+``param_sync_func`` all-gathers run before each chunk's first forward; outside the loop
+(``in_loop=False``, ``dp_overlap``'s after-loop choice) all-gathers complete before the first
+task and reductions launch after the last. Why each step is safe and in the same order on every
+DP replica: docs/design/grad-sync.md.
 """
 from __future__ import annotations
 
