@@ -153,6 +153,22 @@ _SHORT_DOTTED = re.compile(r"(?<![\w./-])(?:{})(?:\.[a-z_]\w*)+".format("|".join
     s for s in SUBPACKAGES if s not in ("dist", "train"))))
 _MD_LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)")
 
+# A bare file name ("recorder.py") must name a file of this repository or one of these upstream files
+# (Megatron-LM's and Transformer Engine's, which the prose names where it says what it wraps or follows).
+UPSTREAM_FILES = frozenset({
+    "pretrain_gpt.py", "pretrain_hybrid.py", "pretrain_vlm.py", "train.py", "training.py", "schedules.py",
+    "p2p_communication.py", "utils.py", "gpt_builders.py", "model_provider.py", "clip_vit_model.py",
+    "convert_llava_pretrain_to_wds.py", "dataloader_provider.py", "dataset_helpers.py", "layer_specs.py",
+    "run_text_generation.py", "base.py", "linear.py", "quantization.py",
+})
+_BARE_FILE = re.compile(r"(?<![\w./-])[A-Za-z_]\w*\.py\b")
+
+
+@cache
+def _repo_file_names() -> frozenset[str]:
+    return frozenset(p.name for p in _python_files())
+
+
 _FILE_SUFFIXES = {"md", "json", "jsonl", "csv", "png", "svg", "txt", "log", "sh", "toml", "pt"}
 
 # Modules that were renamed or folded into others: a mention of one is a pointer to nothing.
@@ -174,6 +190,8 @@ def _references(path: pathlib.Path) -> Iterator[tuple[int, str, bool]]:
             dotted = m.group().removesuffix(".py")
             if dotted.rpartition(".")[2] not in _FILE_SUFFIXES:
                 yield line, m.group(), _dotted_resolves(f"megatron_rrfp.{dotted}")
+        for m in _BARE_FILE.finditer(text):
+            yield line, m.group(), m.group() in _repo_file_names() or m.group() in UPSTREAM_FILES
         for m in _FORMER_MODULES.finditer(text):
             yield line, m.group(), False
         if path.suffix == ".md":

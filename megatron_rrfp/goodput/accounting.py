@@ -3,9 +3,9 @@
     megatron-rrfp goodput run/goodput.db --json goodput.json --png goodput.png
 
 Throughput counts every token pushed through the model; goodput counts only work that
-moved training forward. From the ledger (``ledger.py``) of one job -- all its processes,
-disruptions and restarts -- this module splits the job's wall time into productive time
-and nine badput categories that add up to it exactly:
+moved training forward. From the ledger of one job (``writer.py`` writes it, ``reader.py``
+reads it) -- all its processes, disruptions and restarts -- this module splits the job's
+wall time into productive time and nine badput categories that add up to it exactly:
 
     wall_s = productive_s + startup + checkpoint_save + checkpoint_load + data_loading
              + wasted_progress + recovery + pipeline_bubble + tp_coordination + other
@@ -14,51 +14,9 @@ and nine badput categories that add up to it exactly:
     goodput tokens/s      = tokens of kept iterations / wall_s
     throughput tokens/s   = tokens of all completed iterations / their summed duration
 
-Recording -- the hooks, re-exported here from ``goodput_recorder.py`` (which documents the
-train driver's and the Megatron-LM plugin's exact call sites). Every rank makes the same
-calls; rank 0 writes; ``iteration`` is collective when world > 1; nothing raises after
-the constructor (which raises ``LedgerBusyError`` if another live process writes the job):
-
-    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=rank, world=world, job=name)
-    recorder.job_start()
-    with recorder.checkpoint_load(): ...            then recorder.restart(resumed_from=it)
-    recorder.iteration_start(it)
-    ... one training step ...
-    recorder.iteration(it, tokens=global_tokens, report=last_iteration_report(), data_wait_s=s)
-    with recorder.checkpoint_save(it): ...
-    recorder.disruption(kind, message, rank)        on the way out of a failure, then re-raise
-    recorder.job_end()
-    publish_to_timers(config.timers, last_iteration_report())   # rrfp-* Megatron timers
-
-How time is attributed (all in seconds):
-
-* The job timeline. Each writer process is a *session*. Within a session, event times
-  come from ``time.monotonic()`` (immune to clock steps); sessions are placed on one
-  axis by their wall-clock start, never overlapping the previous one. wall_s = end of the
-  last session - start of the first (gaps between processes included).
-* Iterations: [iteration_start, iteration_end]. With a breakdown gathered from R ranks,
-  means over ranks are used, i.e. shares of the accelerators' time:
-      bubble = mean_r(wait_s + backpressure_s + flush_s)   (idle on readiness, buffer limit, last sends)
-      tp     = mean_r(agree_s)                            (TP agreement collectives)
-      data   = mean_r(data_wait_s)
-      productive = D - bubble - tp - data                  (D = iteration duration; if the three
-                   exceed D -- clock skew -- they are scaled down to D)
-  of which "F/B compute" = min(mean_r(compute_s), productive) and the rest is the step
-  outside the pipeline schedule (optimizer, gradient reductions, runtime overhead).
-  Without a breakdown (Megatron's own schedules) bubbles are not observable: the
-  iteration minus data wait counts as productive (none of it as F/B compute), and the
-  report says so.
-* Wasted progress: an iteration is lost when a later restart resumed from an earlier
-  iteration (``restart(resumed_from=R)``, or inferred from the first iteration number of
-  the next process) -- every completed iteration > R before it was redone; iterations
-  that never completed; and, when the job's last process died and was not resumed, the
-  iterations after the last completed checkpoint save.
-* Spans that overlap take one category by priority: checkpoint save > checkpoint load >
-  data wait (outside iterations) > iteration > the background, which is *startup* from a
-  process start to its first iteration, *recovery* from a disruption (explicit event, or
-  a process that ended without ``job_end``) to the next iteration start -- including the
-  gap to the restarted process and its startup, but not its checkpoint load -- and
-  *other* (between iterations: logging, evaluation, and gaps after a clean exit).
+How each second is attributed (sessions on one time axis, iterations and their breakdown,
+wasted progress, overlapping spans): docs/goodput.md. The calls a training loop makes to
+record a job: ``recorder.py``.
 """
 from __future__ import annotations
 

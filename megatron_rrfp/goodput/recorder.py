@@ -9,55 +9,14 @@ so rank 0 records [min, median, mean, max] across ranks; every rank must call it
 same order (pass ``gather=False`` to record rank 0's own breakdown only, no collective).
 With ``ledger_path=None`` (flag not given) every method is a no-op on every rank.
 
-Train driver (``megatron_rrfp/train/driver.py``)::
-
-    from megatron_rrfp.goodput import GoodputRecorder
-    from megatron_rrfp import last_iteration_report
-
-    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=dist.get_rank(),
-                               world=dist.get_world_size(), job=run_name)
-    recorder.job_start(pp=pp, tp=tp, dp=dp)            # right after init_process_group
-    if resuming:
-        with recorder.checkpoint_load():
-            resumed = checkpoint.load(...)
-        recorder.restart(resumed.iteration)            # completed iterations > this were lost
-    try:
-        for it in range(first, last + 1):
-            recorder.iteration_start(it)
-            t0 = time.monotonic(); batch = next(data); data_wait = time.monotonic() - t0
-            ...forward_backward, optimizer step...
-            recorder.iteration(it, tokens=global_batch * seq_length,   # whole job, not per rank
-                               report=last_iteration_report(), data_wait_s=data_wait)
-            if it % save_interval == 0:
-                with recorder.checkpoint_save(it):     # "ok" only if the block did not raise
-                    checkpoint.save(...)
-    except BaseException as exc:
-        recorder.disruption(type(exc).__name__, str(exc), rank=dist.get_rank())  # flushes <= 2 s
-        raise
-    recorder.job_end()                                 # flushes <= close_timeout_s, closes
+The call sites -- ``megatron-rrfp train``'s driver (``megatron_rrfp/train/driver.py``) and the
+Megatron-LM hooks (``megatron_rrfp/megatron_lm/hooks.py``) -- are sketched in docs/goodput.md.
 
 A data wait outside any iteration (e.g. the first prefetch): ``recorder.data_wait(seconds)``
 right after it ended. Inside an iteration, pass it as ``data_wait_s`` instead (not both).
 ``disruption()`` is written only from rank 0 (the one writer); a rank that dies alone
 shows up as rank 0's own error, or -- when the whole job is killed -- as the
 "unclean-exit" the report infers from a process that never wrote ``job_end``.
-
-Megatron-LM plugin (``megatron_rrfp/megatron_lm/hooks.py``), wrapping names in
-``megatron.training.training`` (they are resolved at call time there):
-
-    recorder = GoodputRecorder(args.rrfp_goodput_ledger, rank=torch.distributed.get_rank(),
-                               world=torch.distributed.get_world_size(),
-                               since_wall=megatron.training.training._TRAIN_START_TIME)
-    recorder.job_start(); extend_timer_logging(get_timers())          # once, every rank
-    load_checkpoint(...)         -> with recorder.checkpoint_load(): ...; then if iteration > 0:
-                                    recorder.restart(iteration)
-    save_checkpoint_and_time(iteration, ...) -> with recorder.checkpoint_save(iteration): ...
-    train_step(...)              -> it = args.curr_iteration + 1; recorder.iteration_start(it); out = train_step(...)
-                                    report = last_iteration_report()
-                                    recorder.iteration(it, tokens=args.global_batch_size * args.seq_length,
-                                                       report=report)
-                                    publish_to_timers(get_timers(), report)
-    pretrain(...) returns        -> recorder.job_end();  raises -> recorder.disruption(...); raise
 
 ``peak_memory_line`` is the log line (global rank 0, every --log-interval) with the peak
 activation memory and forwards in flight, max over ranks: bytes are not times, so they
