@@ -2,9 +2,10 @@
 
 The bench's tiny models reduce their gradients over gloo in microseconds; a real job's
 bucket reductions, the distributed optimizer's parameter all-gathers and MoE's all-to-alls
-take device time. This models it the way ``sim/dp_comm.py`` does, on one rank's **DP
-channel** (NCCL's own stream): collectives on it run one at a time in launch order,
-beside compute, and whoever needs a result sleeps until the channel delivers it.
+take device time. This runs the simulator's model (``sim/dp_comm.py``: its ``DPChannel``
+and ``bucket_durations``) on one rank's **DP channel** (NCCL's own stream), in wall-clock
+seconds: collectives on it run one at a time in launch order, beside compute, and whoever
+needs a result sleeps until the channel delivers it.
 
 * **reductions** (``dp_reduce_s`` per model chunk: each DDP bucket group its share of the
   chunk's gradient elements, so "at the end" — one bucket per chunk, DDP without
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..policy.actions import Kind, Task
+from ..sim.dp_comm import DPChannel, bucket_durations
 
 __all__ = ["CommEmulator", "CommTimes", "check_communication", "comm_emulator"]
 
@@ -105,8 +107,8 @@ class CommEmulator:
         for chunk in chunks:
             groups = [*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())]
             sizes = [sum(b.grad_data.numel() for b in g.buckets) for g in groups]
-            for group, size in zip(groups, sizes):
-                self._share[id(group)] = size / max(1, sum(sizes))
+            for group, share in zip(groups, bucket_durations(1.0, sizes) if sum(sizes) else [0.0] * len(groups)):
+                self._share[id(group)] = share
             # DDP gathers in forward order: the last bucket group holds the chunk's first parameters
             self._first_group.append(groups[-1] if groups else None)
         self._lock = threading.Lock()
@@ -117,7 +119,7 @@ class CommEmulator:
                           for g in (*getattr(chunk, "bucket_groups", ()),
                                     *getattr(chunk, "expert_parallel_bucket_groups", ()))}
         self._forwards_seen: set[int] = set()
-        self.free_at = 0.0
+        self._channel = DPChannel()
         self.exposed_s = 0.0
         self._task_device = 0.0
 
@@ -132,7 +134,7 @@ class CommEmulator:
         now = time.time()
         self._done.clear()
         self._forwards_seen.clear()
-        self.exposed_s, self.free_at = 0.0, now
+        self.exposed_s, self._channel = 0.0, DPChannel(now)
         self._gathered = [0.0] * len(self.chunks)
         self._all_gathered = [0.0] * len(self.chunks)
         if self.times.overlap_param_gather and self.times.dp_gather_s:
@@ -191,8 +193,7 @@ class CommEmulator:
     def _queue(self, at: float, seconds: float) -> float:
         """Put ``seconds`` on the channel no earlier than ``at``; returns when it is done."""
         with self._lock:
-            self.free_at = max(self.free_at, at) + seconds
-            return self.free_at
+            return self._channel.queue(at, seconds)
 
     def _sleep_until(self, when: float) -> float:
         delay = when - time.time()

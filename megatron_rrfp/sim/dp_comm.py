@@ -18,8 +18,14 @@ stream); collectives on it run one at a time in launch order. Where megatron lau
   optimizer step (on the critical path).
 
 Iteration time = max over stages of (last task end, last reduction end) + the exposed
-all-gather time. What it leaves out: reductions do not slow the compute they overlap (no
-contention), and DP replicas are identical (no straggling replica).
+all-gather time. With several replicas (``replicas_iteration_time``: one trace each) a
+bucket's reduction starts once the slower replica launched it, and a stage ends with its
+slower replica. What it leaves out: reductions do not slow the compute they overlap (no
+contention).
+
+``DPChannel`` is the channel itself; the bench's emulated DP communication
+(``bench/comm_emulation.py``) queues its collectives on the same class, so the simulator
+and the bench time buckets one way.
 """
 from __future__ import annotations
 
@@ -41,18 +47,47 @@ class DPComm:
     """That bucket's time as a share of ``reduce_per_bucket`` (biases and norms are small)."""
 
 
+class DPChannel:
+    """One rank's DP channel: collectives run one at a time in launch order, beside compute."""
+
+    __slots__ = ("free_at",)
+
+    def __init__(self, free_at: float = 0.0) -> None:
+        self.free_at = free_at
+
+    def queue(self, at: float, duration: float) -> float:
+        """Put ``duration`` on the channel no earlier than ``at``; returns when it is done."""
+        self.free_at = max(self.free_at, at) + duration
+        return self.free_at
+
+
+def bucket_durations(total: float, sizes) -> list[float]:
+    """A chunk's communication time ``total`` split over its buckets by their sizes (elements)."""
+    whole = sum(sizes)
+    return [total * size / whole if whole else total / max(1, len(sizes)) for size in sizes]
+
+
 def iteration_time(trace, num_stages: int, num_chunks: int, comm: DPComm, *, overlap_grad_reduce: bool,
                    overlap_param_gather: bool) -> float:
     """The iteration's time with DP communication (module docstring); ``trace``: (stage, task, start, end)."""
+    return replicas_iteration_time([trace], num_stages, num_chunks, comm, overlap_grad_reduce=overlap_grad_reduce,
+                                   overlap_param_gather=overlap_param_gather)
+
+
+def replicas_iteration_time(traces, num_stages: int, num_chunks: int, comm: DPComm, *, overlap_grad_reduce: bool,
+                            overlap_param_gather: bool) -> float:
+    """``iteration_time`` of DP replicas, one trace each: a bucket's reduction starts once every
+    replica launched it, and a stage ends with its slower replica."""
     last_end = [0.0] * num_stages
     last_b = [[0.0] * num_chunks for _ in range(num_stages)]
     last_w = [[None] * num_chunks for _ in range(num_stages)]
-    for stage, task, _start, end in trace:
-        last_end[stage] = max(last_end[stage], end)
-        if task.kind is Kind.B:
-            last_b[stage][task.chunk] = max(last_b[stage][task.chunk], end)
-        elif task.kind is Kind.W:
-            last_w[stage][task.chunk] = max(last_w[stage][task.chunk] or 0.0, end)
+    for trace in traces:
+        for stage, task, _start, end in trace:
+            last_end[stage] = max(last_end[stage], end)
+            if task.kind is Kind.B:
+                last_b[stage][task.chunk] = max(last_b[stage][task.chunk], end)
+            elif task.kind is Kind.W:
+                last_w[stage][task.chunk] = max(last_w[stage][task.chunk] or 0.0, end)
     finish = 0.0
     for stage in range(num_stages):
         ready = []  # (time its gradients are complete, duration)
@@ -64,12 +99,12 @@ def iteration_time(trace, num_stages: int, num_chunks: int, comm: DPComm, *, ove
             ready += [(complete, mixed)] * comm.buckets_per_chunk
             if apart:
                 ready.append((last_b[stage][chunk], comm.b_only_share * comm.reduce_per_bucket))
-        channel = 0.0
+        channel = DPChannel()
         for at, duration in sorted(ready):
-            channel = max(channel, at if overlap_grad_reduce else last_end[stage]) + duration
-        finish = max(finish, last_end[stage], channel)
+            channel.queue(at if overlap_grad_reduce else last_end[stage], duration)
+        finish = max(finish, last_end[stage], channel.free_at)
     gathers = num_chunks * comm.buckets_per_chunk * comm.gather_per_bucket
     return finish + (comm.gather_per_bucket if overlap_param_gather else gathers)
 
 
-__all__ = ["DPComm", "iteration_time"]
+__all__ = ["DPChannel", "DPComm", "bucket_durations", "iteration_time", "replicas_iteration_time"]
