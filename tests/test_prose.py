@@ -295,6 +295,27 @@ def test_the_prose_patterns_tell_figures_and_issue_numbers_from_settings():
     assert not any(_ISSUE.search(s) for s in ["Megatron-LM #1234", "issued by rank 0", "&#39;", "colour #55A868"])
 
 
+# ---------------------------------------------------------------- module docstrings say what and why
+
+MAX_MODULE_DOCSTRING_LINES = 50
+"""A module docstring says what the module does and why, in a few lines; a longer argument
+(why a protocol cannot deadlock, why a rule is safe) is a page of docs/design/."""
+
+# The B/W split's module is being moved into its own folder; its argument moves with it.
+LONG_DOCSTRING_PENDING = frozenset({"megatron_rrfp/mcore/wgrad.py", "megatron_rrfp/split/megatron_linear.py"})
+
+
+def test_module_docstrings_say_what_and_why_in_a_few_lines():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _rel(path) in PENDING or _rel(path) in LONG_DOCSTRING_PENDING:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        if doc and doc.count("\n") + 1 > MAX_MODULE_DOCSTRING_LINES:
+            long[_rel(path)] = doc.count("\n") + 1
+    assert not long, f"over {MAX_MODULE_DOCSTRING_LINES} lines (move the argument to docs/design/): {long}"
+
+
 # ---------------------------------------------------------------- test names
 
 def test_no_test_is_named_after_an_issue():
