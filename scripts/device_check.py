@@ -700,9 +700,10 @@ def main(argv=None) -> int:
                     say(f"refused: {line}")
                 save()
                 return 2
-            say(f"torch {info.get('torch')} (CUDA {info.get('cuda_build')}, NCCL {info.get('nccl')}), "
-                f"{info.get('gpus')} GPU(s) {info.get('gpu_names')}, megatron-core "
-                f"{info['versions'].get('megatron-core')}, {os.cpu_count()} cores; parts {','.join(parts)}")
+            gpus = (f"CUDA {info.get('cuda_build')}, NCCL {info.get('nccl')}, {info['gpus']} GPU(s) "
+                    f"{info.get('gpu_names')}" if info.get("gpus") is not None else info.get("gpu_note"))
+            say(f"torch {info.get('torch')} ({gpus}), megatron-core {info['versions'].get('megatron-core')}, "
+                f"{os.cpu_count()} cores; parts {','.join(parts)}")
             ctx = Context(args, runner, info, work, run_id)
             deadline = started + args.deadline
             for index, key in enumerate(parts):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,12 +41,13 @@ GPU_REASON = "no CUDA device is visible"
 BUDGET_S = 12  # pytest (no torch) reaches the sleeping test well inside it, even on a loaded host
 
 
-def _start(tmp_path: Path, name: str, *args: str, python: str = sys.executable) -> tuple:
+def _start(tmp_path: Path, name: str, *args: str, python: str = sys.executable, env=None) -> tuple:
     out = tmp_path / name
     command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
     if python != sys.executable:
         command += ["--python", python]
-    return out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    return out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                 env=env)
 
 
 def _finish(started: tuple, timeout: float = 90) -> tuple:
@@ -66,9 +68,11 @@ def test_device_check_on_a_cpu_host(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
     begun = time.monotonic()
     runs = {
-        # the GPU parts (SKIP here) and the suite part on the tiny file's first two tests
+        # the GPU parts (SKIP: CUDA hidden from the check, also on a GPU host) and the suite part
+        # on the tiny file's first two tests
         "skips": _start(tmp_path, "skips", "--parts", "b,c,d,f,a", "--workers", "0",
-                        "--suite-args", f"{tests}::test_passes {tests}::test_leaves_a_process_behind"),
+                        "--suite-args", f"{tests}::test_passes {tests}::test_leaves_a_process_behind",
+                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}),
         # a part over its budget: killed, FAIL with its time; everything it started is gone
         "budget": _start(tmp_path, "budget", "--parts", "a", "--budget", f"a={BUDGET_S}", "--workers", "0",
                          "--suite-args", f"{tests}::test_passes {tests}::test_sleeps_past_the_budget"),
@@ -126,7 +130,7 @@ def test_device_check_on_a_cpu_host(tmp_path):
 def test_device_check_refuses_bad_options_in_one_line(tmp_path):
     for args, words in ((["--parts", "a,z"], "--parts: 'a,z'"), (["--budget", "a=0"], "--budget: 'a=0'"),
                         ([], "--out: no folder given")):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "OUT"}
+        env = {k: v for k, v in os.environ.items() if k != "OUT"}
         run = subprocess.run([sys.executable, str(SCRIPT), *args, *(["--out", str(tmp_path)] if args else [])],
                              capture_output=True, text=True, timeout=60, env=env)
         assert run.returncode == 2 and words in run.stderr.splitlines()[-1], run.stderr
