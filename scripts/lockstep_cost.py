@@ -17,6 +17,20 @@ independent replicas — the other choice that keeps the deadlock argument. Buff
 medians over seeds, units of f0: simulator output, independent of the machine's load. What it
 leaves out: the replicas' coupling at each chunk's reductions, and contention between DP
 communication and compute.
+
+    python scripts/lockstep_cost.py --grid [--pp 2,4,6,8] [--chunks 2,3,4] [--variability j0,j1,j2,j3]
+        [--comm 0.25,0.5,1,2] [--bucket-counts 1,2,4,8] [--seeds 10] [--csv PATH]
+
+``--grid``: the DP epoch rule (``sim/dp_epochs.py``, docs/design/dp-epochs.md) against the
+three others over the grid, every schedule on the same draws, every DP replica its own draw,
+a bucket's reduction starting once the slower replica launched it
+(``sim/dp_comm.replicas_iteration_time``): Megatron's interleaved 1F1B overlapped, rrfp
+after-loop (all-gathers before the loop, reductions after it), rrfp lock-step overlapped,
+and rrfp under the rule overlapped, its static timeline Megatron's order with each W after its
+B ("megatron") or the policy's own nominal order ("policy"). ``--comm`` sets a bucket's
+reduction and its all-gather alike. Prints, per PP x chunks x variability, the worst and the
+median cell over DP communication and buckets: the rule's speedup over Megatron, over
+after-loop and over lock-step; and the cells where the rule is below Megatron.
 """
 from __future__ import annotations
 
@@ -26,16 +40,25 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", default="2,4,8", help="comma list of pipeline sizes")
-    parser.add_argument("--chunks", type=int, default=2)
+    parser.add_argument("--pp", help="comma list of pipeline sizes (default 2,4,8; --grid: 2,4,6,8)")
+    parser.add_argument("--chunks", help="model chunks per stage (default 2; --grid: a comma list, default 2,3,4)")
     parser.add_argument("--dp", type=int, default=2, help="replicas of each stage")
-    parser.add_argument("--variability", default="j1,j2,j3", help="comma list of j0 .. j3 (sim/variability.py)")
+    parser.add_argument("--variability", help="comma list of j0 .. j3 (sim/variability.py; default j1,j2,j3; "
+                        "--grid: j0,j1,j2,j3)")
     parser.add_argument("--microbatches-per-stage", type=int, default=2, help="M = this x PP (the bench's DP runs: 2)")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--reduce", type=float, default=0.5, help="reduction time per bucket (f0; 0: none)")
     parser.add_argument("--gather", type=float, default=0.5, help="parameter all-gather time per bucket (f0)")
     parser.add_argument("--buckets", type=int, default=2, help="buckets per chunk")
+    parser.add_argument("--grid", action="store_true", help="the DP epoch rule over the grid (module docstring)")
+    parser.add_argument("--comm", default="0.25,0.5,1,2", help="--grid: reduction = all-gather time per bucket (f0)")
+    parser.add_argument("--bucket-counts", default="1,2,4,8", help="--grid: buckets per chunk")
+    parser.add_argument("--csv", metavar="PATH", help="--grid: every cell's medians as CSV")
     args = parser.parse_args(argv)
+    if args.grid:
+        return grid(parser, args)
+    args.pp, args.variability = args.pp or "2,4,8", args.variability or "j1,j2,j3"
+    args.chunks = _ints(parser, "chunks", args.chunks or "2", 1)[0]
 
     from megatron_rrfp.policy.topology import Topology
     from megatron_rrfp.sim.dp_comm import DPComm, iteration_time
@@ -90,6 +113,108 @@ def main(argv=None) -> int:
             base = t["megatron"]
             print(f"| {pp} | {level} | {base:.2f} | {t['free_end']:.2f} ({base / t['free_end']:.3f}x) "
                   f"| {t['locked_dp']:.2f} ({base / t['locked_dp']:.3f}x) | {t['locked'] / t['free'] - 1:+.1%} |")
+    return 0
+
+
+def _ints(parser, name: str, text: str, low: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"--{name} {text!r}: a comma list of integers")
+    if any(v < low for v in values):
+        parser.error(f"--{name}: every value must be >= {low}")
+    return values
+
+
+def grid(parser, args) -> int:
+    """``--grid`` (module docstring)."""
+    import csv
+    import statistics
+
+    from megatron_rrfp.policy.plan import Plan
+    from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.sim.dp_comm import DPComm, replicas_iteration_time
+    from megatron_rrfp.sim.dp_epochs import policy_orders, run_with_epochs, static_timeline
+    from megatron_rrfp.sim.simulator import median, policy, simulate
+    from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, lockstep, sample_realization
+
+    sizes = _ints(parser, "pp", args.pp or "2,4,6,8", 2)
+    chunk_counts = _ints(parser, "chunks", args.chunks or "2,3,4", 2)
+    levels = (args.variability or "j0,j1,j2,j3").split(",")
+    if unknown := [level for level in levels if level not in VARIABILITY_LEVELS]:
+        parser.error(f"--variability {','.join(unknown)}: choose from {', '.join(VARIABILITY_LEVELS)}")
+    try:
+        comms = [float(v) for v in args.comm.split(",")]
+    except ValueError:
+        parser.error(f"--comm {args.comm!r}: a comma list of numbers (f0)")
+    if any(c <= 0 for c in comms):
+        parser.error("--comm: every value must be > 0")
+    buckets = _ints(parser, "bucket-counts", args.bucket_counts, 1)
+    megatron, rrfp = policy("1f1b-strict"), policy("default")
+    schedules = ("megatron", "after-loop", "lockstep", "epochs-megatron", "epochs-policy")
+    rows, below = [], []
+    print(f"DP {args.dp}, M = {args.microbatches_per_stage} x PP, 1x, {args.seeds} seeds, DP communication per bucket "
+          f"(reduction = all-gather) {args.comm} f0, buckets per chunk {args.bucket_counts}; speedup of the epoch rule "
+          "(the better static timeline per cell in brackets: m = Megatron's order, p = the policy's) over each")
+    print("| PP | chunks | var | vs Megatron: worst / median | vs after-loop: worst / median "
+          "| vs lock-step: worst / median | worst cell vs Megatron (timeline megatron; policy) |")
+    print("|---|---|---|---|---|---|---|")
+    for pp in sizes:
+        for chunks in chunk_counts:
+            topology, m = Topology(pp, chunks), args.microbatches_per_stage * pp
+            split = Plan.build(rrfp, topology, m).split_backward
+            timelines = {"epochs-megatron": static_timeline(topology, m, split),
+                         "epochs-policy": static_timeline(topology, m, split, policy_orders(rrfp, topology, m))}
+            for level in levels:
+                variability = Variability(**VARIABILITY_LEVELS[level])
+                traces = {k: [] for k in schedules}  # per seed: the replicas' traces
+                for seed in range(args.seeds):
+                    replicas = [sample_realization(variability, topology, m, seed * 1000 + r) for r in range(args.dp)]
+                    traces["megatron"].append([simulate(megatron, topology, m, r, record_trace=True).trace
+                                               for r in replicas])
+                    traces["after-loop"].append([simulate(rrfp, topology, m, r, record_trace=True).trace
+                                                 for r in replicas])
+                    traces["lockstep"].append([simulate(rrfp, topology, m, lockstep(replicas),
+                                                        record_trace=True).trace])
+                    for name, timeline in timelines.items():
+                        traces[name].append([run_with_epochs(rrfp, topology, m, r, timeline).result.trace
+                                             for r in replicas])
+                cells = []
+                for comm_f0 in comms:
+                    for count in buckets:
+                        comm = DPComm(reduce_per_bucket=comm_f0, gather_per_bucket=comm_f0, buckets_per_chunk=count)
+                        t = {}
+                        for name in schedules:
+                            overlap = name != "after-loop"
+                            t[name] = median([replicas_iteration_time(
+                                seed_traces, pp, chunks, comm, overlap_grad_reduce=overlap,
+                                overlap_param_gather=overlap) for seed_traces in traces[name]])
+                        t["epochs"] = min(t["epochs-megatron"], t["epochs-policy"])
+                        cells.append((comm_f0, count, t))
+                        rows.append(dict(pp=pp, chunks=chunks, var=level, comm=comm_f0, buckets=count,
+                                         **{k: round(v, 4) for k, v in t.items()}))
+                        if t["epochs"] > t["megatron"] * (1 + 1e-9):
+                            below.append((pp, chunks, level, comm_f0, count, t["megatron"] / t["epochs"]))
+
+                def ratios(other: str, cells=cells):
+                    values = [c[2][other] / c[2]["epochs"] for c in cells]
+                    return min(values), statistics.median(values)
+
+                worst = min(cells, key=lambda c: c[2]["megatron"] / c[2]["epochs"])
+                tag = "m" if worst[2]["epochs-megatron"] <= worst[2]["epochs-policy"] else "p"
+                vs = [ratios(o) for o in ("megatron", "after-loop", "lockstep")]
+                print(f"| {pp} | {chunks} | {level} | " + " | ".join(f"{a:.3f}x / {b:.3f}x" for a, b in vs)
+                      + f" | {worst[0]} f0 x {worst[1]} buckets [{tag}]: "
+                      f"{worst[2]['megatron'] / worst[2]['epochs-megatron']:.3f}x; "
+                      f"{worst[2]['megatron'] / worst[2]['epochs-policy']:.3f}x |", flush=True)
+    print(f"cells below Megatron (rule / Megatron < 1.000): {len(below)} of {len(rows)}")
+    for pp, chunks, level, comm_f0, count, ratio in below:
+        print(f"  PP {pp} x {chunks} chunks {level}, {comm_f0} f0 x {count} buckets: {ratio:.3f}x")
+    if args.csv:
+        with open(args.csv, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
     return 0
 
 
