@@ -20,18 +20,10 @@ PACKAGE = ROOT / "megatron_rrfp"
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists() or p.is_dir()
                      if not p.name.startswith("__"))
 
-# Files other work is rewriting right now; their prose is checked once that work has landed.
-# Each entry is a path relative to the repository root (remove it when the file is settled).
+# Files other work is rewriting right now, whose prose still has something this test refuses;
+# each entry is a path relative to the repository root (remove it when that work has landed).
 PENDING = frozenset({
-    "megatron_rrfp/mcore/schedule.py", "megatron_rrfp/mcore/session.py", "megatron_rrfp/mcore/auto_limit.py",
-    "megatron_rrfp/mcore/byte_limit.py", "megatron_rrfp/mcore/cpu.py", "megatron_rrfp/megatron_lm/cpu_training.py",
-    "megatron_rrfp/dist/launcher.py", "megatron_rrfp/dist/forked.py", "megatron_rrfp/bench/run.py",
-    "megatron_rrfp/bench/cli.py", "megatron_rrfp/megatron_lm/flags.py", "megatron_rrfp/verify/queue_device.py",
-    "megatron_rrfp/verify/selfcheck.py", "megatron_rrfp/verify/selfcheck_gpt.py",
-    "megatron_rrfp/verify/selfcheck_loopback.py", "megatron_rrfp/verify/selfcheck_result.py",
-    "megatron_rrfp/verify/selfcheck_runner.py", "megatron_rrfp/verify/selfcheck_te.py", "megatron_rrfp/sim/cli.py",
-    "megatron_rrfp/verify/emulated_pipeline.py", "megatron_rrfp/bench/hooks.py", "megatron_rrfp/bench/suite.py",
-    "megatron_rrfp/sim/grid.py",
+    "megatron_rrfp/verify/selfcheck.py",  # a comment names an issue instead of the reason (the self-check is moving)
 })
 
 
