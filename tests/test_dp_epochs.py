@@ -1,0 +1,69 @@
+"""The DP epoch rule's simulated form (sim/dp_epochs.py; docs/design/dp-epochs.md): its static
+timeline's epochs, and one replica's iteration under the rule over random draws."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rrfp.policy.actions import Kind, Task
+from megatron_rrfp.policy.topology import Topology
+from megatron_rrfp.sim.dp_comm import DPChannel, DPComm, iteration_time, replicas_iteration_time
+from megatron_rrfp.sim.dp_epochs import policy_orders, run_with_epochs, static_timeline
+from megatron_rrfp.sim.simulator import policy
+from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, sample_realization
+
+LAYOUTS = [(2, 2), (3, 2), (4, 3), (4, 4)]
+
+
+@pytest.mark.parametrize("pp,chunks", LAYOUTS)
+@pytest.mark.parametrize("split", [False, True])
+def test_static_timeline_puts_a_dp_points_own_messages_on_the_right_side(pp, chunks, split):
+    topology, m = Topology(pp, chunks), 2 * pp
+    timeline = static_timeline(topology, m, split)
+    closing = Kind.W if split else Kind.B
+    assert sum(p.what == "reduce" for p in timeline.points) == pp * chunks
+    assert sum(p.what == "gather" for p in timeline.points) == pp * max(0, chunks - 2)
+    for g, point in enumerate(timeline.points):
+        task = point.task
+        if point.what == "reduce":
+            assert task.kind is closing
+            if task.kind is Kind.B and topology.upstream(point.stage, task.chunk) is not None:
+                assert timeline.epoch[(point.stage, task)] > g  # the task's own gradient follows its reductions
+        else:  # the forward's input precedes its all-gathers
+            up = topology.upstream(point.stage, task.chunk)
+            assert timeline.epoch[(up[0], Task(Kind.F, task.microbatch, up[1]))] <= g
+    # every task before a stage's own DP point sends messages of an epoch no later than that point's
+    for g, point in enumerate(timeline.points):
+        limit = timeline.index[(point.stage, point.task)]
+        for task in timeline.orders[point.stage][:limit]:
+            if (point.stage, task) in timeline.epoch:
+                assert timeline.epoch[(point.stage, task)] <= g
+
+
+@pytest.mark.parametrize("pp,chunks", LAYOUTS)
+@pytest.mark.parametrize("source", ["megatron", "policy"])
+def test_replicas_complete_under_the_rule_with_dp_tasks_pinned(pp, chunks, source):
+    topology, m, config = Topology(pp, chunks), 2 * pp, policy("default")
+    orders = policy_orders(config, topology, m) if source == "policy" else None
+    timeline = static_timeline(topology, m, True, orders)
+    for level in ("j0", "j3"):
+        for seed in range(4):
+            realization = sample_realization(Variability(**VARIABILITY_LEVELS[level]), topology, m, seed)
+            run = run_with_epochs(config, topology, m, realization, timeline)
+            for point in timeline.points:
+                order = run.result.orders[point.stage]
+                at = order.index(point.task)
+                limit = timeline.index[(point.stage, point.task)]
+                before = {t for t in timeline.orders[point.stage][:limit]}
+                assert set(order[:at]) == before, f"{level} seed {seed}: {point} not pinned"
+
+
+def test_replicas_iteration_time_waits_for_the_slower_replica():
+    fast = [(0, Task(Kind.F, 0, 0), 0.0, 1.0), (0, Task(Kind.B, 0, 0), 1.0, 3.0)]
+    slow = [(0, Task(Kind.F, 0, 0), 0.0, 2.0), (0, Task(Kind.B, 0, 0), 2.0, 6.0)]
+    comm = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.5, buckets_per_chunk=2)
+    one = iteration_time(slow, 1, 1, comm, overlap_grad_reduce=True, overlap_param_gather=True)
+    assert one == pytest.approx(6.0 + 2.0 + 0.5)
+    both = replicas_iteration_time([fast, slow], 1, 1, comm, overlap_grad_reduce=True, overlap_param_gather=True)
+    assert both == pytest.approx(one)
+    channel = DPChannel(1.0)
+    assert channel.queue(0.0, 2.0) == 3.0 and channel.queue(5.0, 1.0) == 6.0
