@@ -13,8 +13,9 @@ Parts, run in the order given (default b,d,c,e,f,a: the GPU parts first, the sui
   c cuda-tests   pytest -m cuda (tests that need GPUs; the multi-GPU ones skip on one)
   d split-cost   scripts/split_cost.py --device cuda in fp32 and in bf16; their figures
   e demo         megatron-rrfp demo with CUDA visible (the CPU default), then demo --device cuda:
-                 with fewer GPUs than --pp it must refuse in one line naming the count; --pp 2
-                 where two GPUs are visible, --pp 1 on one (a refusal of --pp 1 is a SKIP)
+                 with fewer GPUs than --pp it must refuse in one line naming the count (checked
+                 without a GPU too); --pp 2 where two GPUs are visible, --pp 1 on one (a refusal
+                 of --pp 1 is a SKIP)
   f task-times   scripts/measure_task_times.py --device cuda --out DIR/task_times.json
 
 DIR gets device_check.json (every part's PASS / FAIL / SKIP, its time and figures, rewritten
@@ -436,11 +437,7 @@ def part_demo(ctx: Context, part: Part) -> None:
         subs["cuda"] = "SKIP"
         notes.append("demo --device cuda: SKIP: this tree's demo has no --device option")
         return finish()
-    if ctx.gpus == 0:
-        subs["cuda"] = "SKIP"
-        notes.append("demo --device cuda: SKIP: no CUDA device is visible")
-        return finish()
-    too_many = ctx.gpus + 1
+    too_many = max(2, ctx.gpus + 1)  # the refusal is checked without a GPU too: it must name 0
     refused = ctx.run(part, [*cli, "demo", "--device", "cuda", "--pp", str(too_many)])
     lines = [line for line in refused.output.splitlines() if line.strip()]
     naming = [line for line in lines if re.search(rf"(?<!\d){ctx.gpus}(?!\d)", line) and "GPU" in line.upper()]
@@ -452,6 +449,10 @@ def part_demo(ctx: Context, part: Part) -> None:
         notes.append(f"demo --device cuda --pp {too_many} on {ctx.gpus} GPU(s): exit {refused.returncode}, no line "
                      f"naming the count: {refused.tail(2)}")
     pp = 2 if ctx.gpus >= 2 else 1
+    if ctx.gpus == 0:
+        subs["cuda-run"] = "SKIP"
+        notes.append("demo --device cuda: SKIP: no CUDA device is visible")
+        return finish()
     if ctx.left() < MIN_START_S:
         subs["cuda-run"] = "SKIP"
         notes.append(f"demo --device cuda --pp {pp}: SKIP: {ctx.left():.0f} s left of the part's time")
