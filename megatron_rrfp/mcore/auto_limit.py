@@ -1,7 +1,8 @@
 """``--rrfp-buffer-limit auto``: the largest limit that fits the memory free on each stage.
 
 An integer or a multiple (``1x``) needs no measurement: the arbiter resolves it for its
-layout (policy/budget.py). ``auto`` runs in two steps per (model, layout, hint, M):
+layout (policy/budget.py). ``auto`` runs in two steps per (model, layout, hint, M), kept in
+the process's ``ScheduleState`` (mcore/state.py):
 
 1. calibration: the first training call runs at ``1x`` — Megatron's own memory, which the
    user's configuration is sized for — and measures this stage's peak activation bytes
@@ -34,6 +35,7 @@ from ..policy.arbiter import ArbiterConfig
 from ..policy.budget import AUTO_MARGIN, fit_to_budget, is_auto, megatron_peak_in_flight, starting_limit
 from ..policy.topology import Topology
 from .config import RRFPConfig
+from .state import ScheduleState
 
 
 @dataclass(slots=True)
@@ -56,14 +58,12 @@ class CallLimit:
             self.state.bytes_per_forward = peak_activation_bytes / peak_in_flight
 
 
-_states: dict[tuple, _Auto] = {}
-_ranks_on_host: list[int] = []  # cached: [count]
-
-
-def call_limit(options: RRFPConfig, *, models: list, topology: Topology, num_microbatches: int, stage: int,
-               forward_only: bool, device: torch.device, pp_group, agreement_group) -> CallLimit:
+def call_limit(options: RRFPConfig, state: ScheduleState, *, models: list, topology: Topology,
+               num_microbatches: int, stage: int, forward_only: bool, device: torch.device, pp_group,
+               agreement_group) -> CallLimit:
     """This call's ``ArbiterConfig``: ``options.arbiter`` itself unless its limit is ``auto``,
-    which becomes ``1x`` (calibration, or where the limit does not apply) or the measured int."""
+    which becomes ``1x`` (calibration, or where the limit does not apply) or the measured int.
+    The calibration is kept in ``state`` under what it depends on (module docstring)."""
     policy = options.arbiter
     if not is_auto(policy.buffer_limit):
         return CallLimit(policy)
@@ -71,18 +71,18 @@ def call_limit(options: RRFPConfig, *, models: list, topology: Topology, num_mic
     if forward_only or policy.strict:
         return CallLimit(at_one_x)
     key = (tuple(map(id, models)), policy.parsed_hint, options.activation_budget_bytes, topology, num_microbatches)
-    state = _states.setdefault(key, _Auto())
-    if state.bytes_per_forward is None:
-        return CallLimit(at_one_x, calibrating=True, state=state)
-    if state.limits is None:
-        _resolve(state, options, topology=topology, num_microbatches=num_microbatches, stage=stage,
-                 device=device, pp_group=pp_group, agreement_group=agreement_group)
-    return CallLimit(replace(policy, buffer_limit=state.limits[stage]))
+    auto = state.auto_limits.setdefault(key, _Auto())
+    if auto.bytes_per_forward is None:
+        return CallLimit(at_one_x, calibrating=True, state=auto)
+    if auto.limits is None:
+        _resolve(auto, options, topology=topology, num_microbatches=num_microbatches, stage=stage,
+                 device=device, pp_group=pp_group, agreement_group=agreement_group, process=state)
+    return CallLimit(replace(policy, buffer_limit=auto.limits[stage]))
 
 
 def _resolve(state: _Auto, options: RRFPConfig, *, topology: Topology, num_microbatches: int, stage: int,
-             device: torch.device, pp_group, agreement_group) -> None:
-    budget = free_memory_bytes(device)
+             device: torch.device, pp_group, agreement_group, process: ScheduleState) -> None:
+    budget = free_memory_bytes(device, process)
     if options.activation_budget_bytes is not None:
         budget = min(budget, options.activation_budget_bytes)
     state.budget_bytes = budget
@@ -103,13 +103,19 @@ def _resolve(state: _Auto, options: RRFPConfig, *, topology: Topology, num_micro
                    f"x {AUTO_MARGIN:g}")
 
 
-def free_memory_bytes(device: torch.device) -> float:
+def free_memory_bytes(device: torch.device, state: Optional[ScheduleState] = None) -> float:
     """What this rank may fill: CUDA — free device memory plus what torch's caching
-    allocator reserved but does not use; CPU — available RAM / ranks on this host."""
+    allocator reserved but does not use; CPU — available RAM / ranks on this host (a
+    collective over the world the first time, its answer kept in ``state``)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    return _available_ram() / _ranks_on_this_host()
+    state = state or ScheduleState.get()
+    if state.ranks_on_host is None:  # every rank asks in the same call
+        hosts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        state.ranks_on_host = max(1, hosts.count(socket.gethostname()))
+    return _available_ram() / state.ranks_on_host
 
 
 def _available_ram() -> float:
@@ -123,18 +129,4 @@ def _available_ram() -> float:
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def _ranks_on_this_host() -> int:
-    """Collective over the world the first time (all ranks resolve in the same call)."""
-    if not _ranks_on_host:
-        hosts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        _ranks_on_host.append(max(1, hosts.count(socket.gethostname())))
-    return _ranks_on_host[0]
-
-
-def reset() -> None:
-    """Forget every calibration (a new model or a new job in this process)."""
-    _states.clear()
-
-
-__all__ = ["CallLimit", "call_limit", "free_memory_bytes", "reset"]
+__all__ = ["CallLimit", "call_limit", "free_memory_bytes"]

@@ -4,7 +4,7 @@ The default buffer limit ``1x`` bounds forwards in flight by Megatron's fullest 
 the B/W split that alone can exceed Megatron's bytes (a later stage's units are larger; a
 split B's stash grows while its saved tensors live: docs/memory.md). So for ``1x`` the
 arbiter also keeps a byte level within a budget (policy/membytes.py), per (model, layout,
-hint, M):
+hint, M), kept in the process's ``ScheduleState`` (mcore/state.py):
 
 1. the first training call runs with ``membytes.first_call_budgets`` — units, each stage at
    most its own Megatron count, a B split only with a unit of headroom — so it holds no more
@@ -33,6 +33,7 @@ from ..dist.env import print_line
 from ..policy.arbiter import ArbiterConfig
 from ..policy.membytes import ByteBudget, StageBytes, calibrated_budgets, first_call_budgets, megatron_peak_bytes
 from ..policy.topology import Topology
+from .state import ScheduleState
 
 
 @dataclass(slots=True)
@@ -68,9 +69,6 @@ class CallBytes:
         self.state.measured = StageBytes(forward, forward_peak, pending, split_peak)
 
 
-_states: dict[tuple, _State] = {}
-
-
 def applies(arbiter: ArbiterConfig, *, forward_only: bool) -> bool:
     """The byte budget is ``1x``'s (the default); other limits keep their own meaning."""
     spec = arbiter.buffer_limit
@@ -78,20 +76,22 @@ def applies(arbiter: ArbiterConfig, *, forward_only: bool) -> bool:
             and spec.strip().lower() == "1x")
 
 
-def call_bytes(arbiter: ArbiterConfig, *, models: list, topology: Topology, num_microbatches: int, stage: int,
-               forward_only: bool, device: torch.device, pp_group, agreement_group) -> CallBytes:
-    """This call's ``ArbiterConfig`` with its ``memory_bytes`` (module docstring)."""
+def call_bytes(arbiter: ArbiterConfig, state: ScheduleState, *, models: list, topology: Topology,
+               num_microbatches: int, stage: int, forward_only: bool, device: torch.device, pp_group,
+               agreement_group) -> CallBytes:
+    """This call's ``ArbiterConfig`` with its ``memory_bytes`` (module docstring); the
+    calibration is kept in ``state`` under what it depends on."""
     if not applies(arbiter, forward_only=forward_only):
         return CallBytes(arbiter)
     key = (tuple(map(id, models)), arbiter, topology, num_microbatches)
-    state = _states.setdefault(key, _State())
-    if state.measured is None:
+    calibration = state.byte_budgets.setdefault(key, _State())
+    if calibration.measured is None:
         return CallBytes(dataclasses.replace(arbiter, memory_bytes=first_call_budgets(topology, num_microbatches)),
-                         state)
-    if state.budgets is None:
-        state.budgets = _agree(state.measured, topology=topology, num_microbatches=num_microbatches, stage=stage,
-                               device=device, pp_group=pp_group, agreement_group=agreement_group)
-    return CallBytes(dataclasses.replace(arbiter, memory_bytes=state.budgets))
+                         calibration)
+    if calibration.budgets is None:
+        calibration.budgets = _agree(calibration.measured, topology=topology, num_microbatches=num_microbatches,
+                                     stage=stage, device=device, pp_group=pp_group, agreement_group=agreement_group)
+    return CallBytes(dataclasses.replace(arbiter, memory_bytes=calibration.budgets))
 
 
 def _agree(mine: StageBytes, *, topology: Topology, num_microbatches: int, stage: int, device: torch.device,
@@ -112,9 +112,4 @@ def _agree(mine: StageBytes, *, topology: Topology, num_microbatches: int, stage
     return budgets
 
 
-def reset() -> None:
-    """Forget every measurement (a new model or job in this process)."""
-    _states.clear()
-
-
-__all__ = ["CallBytes", "applies", "call_bytes", "reset"]
+__all__ = ["CallBytes", "applies", "call_bytes"]

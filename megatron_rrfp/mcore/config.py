@@ -3,7 +3,8 @@
 ``RRFPConfig`` holds the policy's ``ArbiterConfig`` (hint, buffer limit, strict) beside the
 runtime's own options; the hint is parsed when the config is built, so a bad name or file
 fails at start-up, and every schedule call reuses the parsed hint. ``configure()`` sets the
-process-wide defaults (the Megatron-LM integration does this from the --rrfp-* flags).
+process-wide defaults (the Megatron-LM integration does this from the --rrfp-* flags); the
+process's ``ScheduleState`` holds them.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..policy.arbiter import ArbiterConfig
 from ..runtime.executor import AroundTask
 from ..runtime.inbox import Deliver
 from .dp_overlap import DP_OVERLAP_CHOICES
+from .state import ScheduleState
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -88,24 +90,24 @@ class RRFPConfig:
 _ARBITER_FIELDS = frozenset(f.name for f in fields(ArbiterConfig))
 _OWN_FIELDS = frozenset(f.name for f in fields(RRFPConfig)) - {"arbiter"}
 
-_defaults = RRFPConfig()
-
-
 def configure(**options) -> RRFPConfig:
     """Set the process-wide defaults used when Megatron calls the schedule without RRFP
     keywords. A bad hint or limit raises here, not mid-training."""
-    global _defaults
-    _defaults = _defaults.with_options(**options)
-    return _defaults
+    state = ScheduleState.get()
+    state.options = defaults().with_options(**options)
+    return state.options
 
 
 def defaults() -> RRFPConfig:
-    return _defaults
+    """The process-wide options (``configure``), held by the process's ``ScheduleState``."""
+    return ScheduleState.get().options or _DEFAULT
 
 
 def set_defaults(config: RRFPConfig) -> None:
-    global _defaults
-    _defaults = config
+    ScheduleState.get().options = config
+
+
+_DEFAULT = RRFPConfig()
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RRFPConfig", "collective_timeout_floor_s", "configure", "defaults", "set_defaults"]

@@ -1,8 +1,9 @@
 """The persistent per-process runtime: process groups, transport and inbox.
 
-Made once, before any training step if the integration calls ``start()`` right after
-model parallelism is initialised (else by the first schedule call, on the main thread);
-reused by every later call; ``shutdown()`` stops it before process groups are destroyed.
+Held by the process's ``ScheduleState`` (mcore/state.py). Made once, before any training
+step if the integration calls ``start()`` right after model parallelism is initialised
+(else by the first schedule call, on the main thread); reused by every later call;
+``shutdown()`` stops it, with the rest of the state, before process groups are destroyed.
 Every group is created here, on every rank in the same order (``new_group`` is
 collective over the world), and the device transport's NCCL communicators are warmed up
 here too, pair by pair in one global order — not lazily inside the first step.
@@ -18,7 +19,7 @@ rank rebuilds in the same call, as the collective creation needs):
 * the default process group was destroyed and re-created (Megatron-LM's in-process
   restart), or the pipeline / agreement ranks or the transport changed: its groups
   belong to the old world;
-* the previous schedule call failed (``discard()``): messages of that iteration may still
+* the previous schedule call failed (``ScheduleState.discard``): messages of that iteration may still
   be on the wire or half-received, and only new groups guarantee none reaches the next.
   On CUDA its NCCL pair communicators are aborted; recovering in-process is for CPU/gloo
   runs only — on GPUs a failed iteration means restarting the job (torchrun
@@ -38,8 +39,8 @@ from ..runtime.device import GlooHostChannel, HostDevice, NcclDevice, create_cha
 from ..runtime.inbox import Inbox
 from ..runtime.rounds import RoundTransport
 from ..runtime.transport import StageTransport, create_directed_groups
-from . import auto_limit, byte_limit
-from .config import collective_timeout_floor_s
+from .config import collective_timeout_floor_s, defaults
+from .state import ScheduleState
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "threads", "rounds")
@@ -126,38 +127,27 @@ def abort_pair_groups(groups: dict) -> list[str]:
     return failed
 
 
-_session: Optional[Session] = None
-
-
 def _key(pp_ranks, agree_ranks, device, kind) -> tuple:
     return (tuple(pp_ranks), tuple(agree_ranks), str(device), kind)
 
 
 def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, timeout_s: float,
-            transport: str = "auto") -> Session:
-    global _session
-    if _session is not None and not _session.fits(_key(pp_ranks, agree_ranks, device,
-                                                              resolve_transport(transport, device))):
-        discard()  # process groups re-created or re-laid out: this one's groups are stale
-    if _session is None:
-        _session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s,
-                           transport=transport)
-    return _session
+            transport: str = "auto", state: Optional[ScheduleState] = None) -> Session:
+    """``state``'s session (the process's by default), made — or made again, when it no
+    longer fits these ranks, device and transport — on every rank in the same call."""
+    state = state or ScheduleState.get()
+    key = _key(pp_ranks, agree_ranks, device, resolve_transport(transport, device))
+    if state.session is not None and not state.session.fits(key):
+        state.discard()  # process groups re-created or re-laid out: this one's groups are stale
+    if state.session is None:
+        state.session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s,
+                                transport=transport)
+    return state.session
 
 
 def discard(timeout: float = 0.5) -> None:
-    """Drop the runtime after a failed iteration or stale groups: its inbox and receive
-    expectations go with it, its threads are told to stop (one blocked in a receive ends
-    when its group times out or is destroyed), on CUDA its NCCL pair communicators are
-    aborted (``abort_pair_groups``), and the next call builds a new one.
-
-    On GPUs that releases the device so the diagnosis prints and the process exits; it does
-    not make the job recoverable in-process (Megatron's own NCCL groups with a dead peer are
-    broken too): a failure on GPUs means restarting the job from its last checkpoint."""
-    global _session
-    old, _session = _session, None
-    if old is not None:
-        old.close(timeout, abort=True)
+    """Close the process's session so the next call builds a new one (``ScheduleState.discard``)."""
+    ScheduleState.get().discard(timeout)
 
 
 def start(*, timeout_s: Optional[float] = None, transport: Optional[str] = None) -> Session:
@@ -165,7 +155,6 @@ def start(*, timeout_s: Optional[float] = None, transport: Optional[str] = None)
     ``initialize_model_parallel``, before the model takes its memory). Defaults come from
     the process-wide ``RRFPConfig`` (``mcore.config.configure``)."""
     from . import compat
-    from .config import defaults
 
     options = defaults()
     groups = compat.process_groups()
@@ -179,19 +168,15 @@ def start(*, timeout_s: Optional[float] = None, transport: Optional[str] = None)
 
 def agreement_group():
     """This rank's TP-agreement group (None before the first call or without TP)."""
-    return None if _session is None else _session.agreement_group
+    state = ScheduleState.get()
+    return None if state.session is None else state.session.agreement_group
 
 
 def shutdown() -> None:
-    """Stop transport threads (before destroying process groups, or at exit)."""
-    global _session
-    if _session is not None:
-        _session.close()
-    _session = None
-    auto_limit.reset()  # calibrations belong to the job that measured them
-    byte_limit.reset()
+    """Stop transport threads (before destroying process groups, or at exit) and forget
+    every calibration: the process's ``ScheduleState`` is thrown away whole."""
+    ScheduleState.reset()
 
 
 __all__ = ["Session", "TRANSPORTS", "abort_pair_groups", "agreement_group", "device_timeout", "discard",
-           "resolve_transport", "session",
-           "shutdown", "start"]
+           "resolve_transport", "session", "shutdown", "start"]

@@ -14,9 +14,9 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     from megatron_rrfp.bench.hooks import count_in_flight, count_received, sleep_before_tasks
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.compat import pipeline_device
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
     from megatron_rrfp.runtime.memory import ActivationMeter, model_tensors
@@ -61,9 +61,9 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
                             "byte_budget": r.byte_budget, "unsplit": r.unsplit_backwards,
                             "split": any(t.kind.value == "W" for t in r.order)})
     out["max_grad_diff"] = worst
-    from megatron_rrfp.mcore import byte_limit
+    from megatron_rrfp.mcore.state import ScheduleState
 
-    out["budgets"] = [repr(state.budgets) for state in byte_limit._states.values()]
+    out["budgets"] = [repr(state.budgets) for state in ScheduleState.get().byte_budgets.values()]
     shutdown()
     torch.distributed.barrier()
     return out

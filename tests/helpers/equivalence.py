@@ -59,6 +59,9 @@ class Case:
     """DDP's bucket size in elements (small: several buckets, to see them launch one by one)."""
     dp_overlap: str = "auto"
     """RRFPConfig.dp_overlap ('after-loop': every reduction after the task loop, on any device)."""
+    microbatches_per_iteration: tuple[int, ...] = ()
+    """The number of microbatches of each iteration, as Megatron's sequence-packing schedulers
+    change it from one call to the next (default: ``num_microbatches`` every iteration)."""
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -218,6 +221,7 @@ def compare_with_megatron(case: Case) -> dict:
     losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds, launch_log = [], [], [], 0, 0, []
     unsplit = 0  # B the byte budget ran unsplit (their W a no-op)
     for iteration in range(case.iterations):
+        m = case.microbatches_per_iteration[iteration] if case.microbatches_per_iteration else case.num_microbatches
         results = []
         tasks_started[0] = 0
         launches.clear()
@@ -226,7 +230,7 @@ def compare_with_megatron(case: Case) -> dict:
             _zero_grads(model)
             with torch.set_grad_enabled(not case.forward_only):
                 losses = schedule(forward_step_func=forward_step, data_iterator=_data(case, iteration), model=model,
-                                  num_microbatches=case.num_microbatches, seq_length=case.seq_length,
+                                  num_microbatches=m, seq_length=case.seq_length,
                                   micro_batch_size=case.micro_batch_size, forward_only=case.forward_only, **extra)
             results.append((losses, None if case.forward_only else _grads(model)))
         (ref_losses, ref_grads), (our_losses, our_grads) = results
@@ -249,6 +253,7 @@ def compare_with_megatron(case: Case) -> dict:
             grad_err = max([grad_err] + [_relative(ref_grads[n], our_grads[n]) for n in ref_grads])
             _sgd_step(reference, case.learning_rate)
             _sgd_step(candidate, case.learning_rate)
+    calibrations = _calibrations()
     shutdown()
     grouped_te = None
     if case.model == "moe_grouped":
@@ -260,8 +265,20 @@ def compare_with_megatron(case: Case) -> dict:
         "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
         "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
         "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds, "bucket_launches": launch_log,
-        "grouped_te": grouped_te, "unsplit_backwards": unsplit,
+        "grouped_te": grouped_te, "unsplit_backwards": unsplit, "calibrations": calibrations,
     }
+
+
+def _calibrations() -> dict:
+    """This process's buffer-limit calibrations as (M, measured, agreed) per kind, read from
+    its ScheduleState (each is keyed by what it depends on, M last)."""
+    from megatron_rrfp.mcore.state import ScheduleState
+
+    state = ScheduleState.get()
+    return {"bytes": sorted((key[-1], c.measured is not None, c.budgets is not None)
+                            for key, c in state.byte_budgets.items()),
+            "auto": sorted((key[-1], c.bytes_per_forward is not None, c.limits is not None)
+                           for key, c in state.auto_limits.items())}
 
 
 def _record_bucket_launches(model, tasks_started: list) -> list:

@@ -11,7 +11,9 @@ import random
 
 def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model: str = "gpt",
                         max_task_delay_s: float = 0.01, seed: int = 0, transport: str = "auto",
-                        hint: str = "default") -> dict:
+                        hint: str = "default", microbatches: tuple[int, ...] = (),
+                        buffer_limit: object = None) -> dict:
+    """``microbatches``: each iteration's number of microbatches (default ``num_microbatches``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
@@ -61,20 +63,21 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     reference, candidate = build(True), build(False)
     rng = random.Random(seed * 1000 + rank)
     task_delay = lambda task: rng.uniform(0.0, max_task_delay_s)  # noqa: E731
-    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint,
+    options = RRFPConfig.of(timeout_s=60, transport=transport, hint=hint, buffer_limit=buffer_limit,
                             around_task=sleep_before_tasks(task_delay))  # perturbs RRFP only
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
     loss_err = grad_err = 0.0
     orders, num_losses, peaks = [], 0, []
     for iteration in range(iterations):
+        microbatches_now = microbatches[iteration] if microbatches else num_microbatches
         outs = []
         for chunk_models, run, extra in ((reference, forward_backward_pipelining_with_interleaving, {}),
                                          (candidate, forward_backward_rrfp, {"rrfp_config": options})):
             for m in chunk_models:
                 _zero_grads(m)
             losses = run(forward_step_func=step, data_iterator=data(iteration), model=chunk_models,
-                         num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs, **extra)
+                         num_microbatches=microbatches_now, seq_length=seq, micro_batch_size=mbs, **extra)
             outs.append((losses, [_grads(m) for m in chunk_models]))
         (ref_losses, ref_grads), (our_losses, our_grads) = outs
         report = last_iteration_report()

@@ -12,6 +12,7 @@ from megatron_rrfp.mcore import recovery
 from megatron_rrfp.mcore import session as session_module
 from megatron_rrfp.mcore.config import RRFPConfig
 from megatron_rrfp.mcore.schedule import forward_backward_rrfp
+from megatron_rrfp.mcore.state import ScheduleState
 from megatron_rrfp.runtime.transport import encode_header
 
 from . import mlp
@@ -79,7 +80,7 @@ def failure_and_recovery() -> dict:
     timers = getattr(model.config.timers, "_timers", {})
     record["after_failure"] = {
         "timer_running": any(getattr(timers.get(name), "_started", False) for name in recovery.SCHEDULE_TIMERS),
-        "no_sync_open": open_no_sync[0], "session_discarded": session_module._session is None}
+        "no_sync_open": open_no_sync[0], "session_discarded": ScheduleState.get().session is None}
     dist.barrier()
     record["recovered_matches_reference"] = matches(run())
 
@@ -87,7 +88,7 @@ def failure_and_recovery() -> dict:
     if rank == 0:
         header = encode_header("activation", 0, 0, torch.empty(2, 32))
         header[4] = 99
-        dist.send(header, 1, group=session_module._session.groups[(0, 1)])
+        dist.send(header, 1, group=ScheduleState.get().session.groups[(0, 1)])
         session_module.discard()  # this rank misbehaved: it starts over too
     else:
         record["forged"] = _outcome(run)
@@ -105,12 +106,13 @@ def failure_and_recovery() -> dict:
     record["after_bad_messages_matches_reference"] = matches(run())
 
     # 4. process groups destroyed and re-created in these processes (an in-process restart)
-    before = session_module._session
+    before = ScheduleState.get().session
     store = dist.distributed_c10d._get_default_store()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.PrefixStore("restarted", store), rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     record["new_groups_matches_reference"] = matches(run())
-    record["new_groups_new_session"] = session_module._session is not None and session_module._session is not before
+    after = ScheduleState.get().session
+    record["new_groups_new_session"] = after is not None and after is not before
     return record
