@@ -26,7 +26,8 @@ process carrying its tag in its environment) and is a FAIL with its time; a part
 start in the time left is a SKIP saying so. A part whose GPU is missing is a SKIP; a missing
 package (torch, megatron-core, pytest, pytest-xdist) refuses the whole run at once (exit 2),
 one line each. megatron-core and the other packages a GPU image lacks travel as wheels in
-``--wheels`` (see ``--prepare-wheels``): those missing, or older there, are installed with
+``--wheels`` (see ``--prepare-wheels``): those built for the interpreter that it lacks, or has
+older (a megatron-core already there stays: it is the one checked), are installed with
 ``pip --no-index --target`` into a folder put first on the parts' PYTHONPATH. Only the
 standard library runs in this process; the GPU is never reset or reconfigured.
 Exit status: 0 no FAIL, 1 a FAIL, 2 refused.
@@ -74,6 +75,7 @@ WHEELS = (("megatron-core", "0.19.2"), ("pydantic", "2.14.4"), ("pydantic-core",
           ("opentelemetry-exporter-otlp-common", "0.66b2"))
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
                    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+UNDER_TEST = {"megatron-core"}  # installed from a wheel only where missing, never over another version
 TRAVEL_LIMIT_MIB = 64  # the working tree and the carried wheels, together
 
 # Run by the parts' interpreter: what it has. Imports torch where a chosen part needs the GPU
@@ -102,10 +104,13 @@ try:
 except ImportError:
     Version = None
 need = {}
-for dist, carried_version in carried.items():
+ours = {"py3", "py2.py3", f"cp{sys.version_info[0]}{sys.version_info[1]}"}
+for dist, (carried_version, python_tag, only_if_missing) in carried.items():
     have = version(dist)
     older = have is not None and Version is not None and Version(have) < Version(carried_version)
-    need[dist] = {"installed": have, "install": have is None or older}
+    fits = bool(ours & set(python_tag.split(".")))
+    need[dist] = {"installed": have, "fits": fits,
+                  "install": fits and (have is None or (older and not only_if_missing))}
 out["carried"] = need
 try:
     if not look_at_gpus:
@@ -510,18 +515,19 @@ def skip_reason(ctx: Context, key: str) -> str:
 
 # --------------------------------------------------------------------------- prerequisites
 
-def carried_wheels(folder: Path) -> dict[str, tuple[str, Path]]:
-    """{distribution (normalised): (version, file)} of the wheels in ``folder``."""
+def carried_wheels(folder: Path) -> dict[str, tuple[str, Path, str]]:
+    """{distribution (normalised): (version, file, python tag)} of the wheels in ``folder``."""
     found = {}
     for wheel in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
-        name, version = wheel.name.split("-")[:2]
-        found[re.sub(r"[-_.]+", "-", name).lower()] = (version, wheel)
+        parts = wheel.name[:-4].split("-")
+        found[re.sub(r"[-_.]+", "-", parts[0]).lower()] = (parts[1], wheel, parts[-3] if len(parts) >= 5 else "")
     return found
 
 
 def probe_environment(python: str, carried: dict, env: dict, gpus: bool) -> dict:
     try:
-        out = subprocess.run([python, "-c", ENV_PROBE, json.dumps({d: v for d, (v, _) in carried.items()}),
+        wheels = {d: (v, tag, d in UNDER_TEST) for d, (v, _, tag) in carried.items()}
+        out = subprocess.run([python, "-c", ENV_PROBE, json.dumps(wheels),
                               "gpus" if gpus else "-"],
                              capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -558,7 +564,8 @@ def refusals(info: dict, parts: list, args, python: str, wheels: Optional[dict])
 
 
 def install_wheels(runner: Runner, python: str, carried: dict, info: dict, site: Path, timeout: float) -> dict:
-    """pip-installs (no index, no deps) the carried wheels the interpreter lacks or has older."""
+    """pip-installs (no index, no deps) the carried wheels the interpreter lacks (or has older,
+    but for the packages under test: a megatron-core already there is the one checked)."""
     wanted = [carried[d][1] for d, state in info.get("carried", {}).items() if state["install"]]
     record = {"folder_wheels": len(carried), "installed": [w.name for w in wanted], "site": str(site)}
     if not wanted:
@@ -585,10 +592,10 @@ def prepare_wheels(folder: Path) -> int:
         print("device_check: pip download failed (above); nothing else was changed", file=sys.stderr)
         return 1
     wanted = {re.sub(r"[-_.]+", "-", n).lower() for n, _ in WHEELS}
-    stale = [path for dist, (_, path) in carried_wheels(folder).items() if dist not in wanted]
     have = carried_wheels(folder)
+    stale = [path for dist, (_, path, _) in have.items() if dist not in wanted]
     versions = {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in WHEELS}
-    stale += [path for dist, (version, path) in have.items() if dist in versions and version != versions[dist]]
+    stale += [path for dist, (version, path, _) in have.items() if dist in versions and version != versions[dist]]
     if stale:
         print(f"device_check: {folder} also holds {', '.join(p.name for p in stale)}: remove them (two versions of "
               "one package stop pip's install there)", file=sys.stderr)

@@ -66,19 +66,19 @@ def test_device_check_on_a_cpu_host(tmp_path):
     tests.write_text(TESTS)
     bare = tmp_path / "bare"  # an interpreter without torch, megatron-core or pytest
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    no_wheels = ("--wheels", str(tmp_path / "no-wheels"))  # the repository's own wheels/ stay out of it
     begun = time.monotonic()
     runs = {
         # the GPU parts (SKIP: CUDA hidden from the check, also on a GPU host) and the suite part
         # on the tiny file's first two tests
-        "skips": _start(tmp_path, "skips", "--parts", "b,c,d,f,a", "--workers", "0",
+        "skips": _start(tmp_path, "skips", "--parts", "b,c,d,f,a", "--workers", "0", *no_wheels,
                         "--suite-args", f"{tests}::test_passes {tests}::test_leaves_a_process_behind",
                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}),
         # a part over its budget: killed, FAIL with its time; everything it started is gone
-        "budget": _start(tmp_path, "budget", "--parts", "a", "--budget", f"a={BUDGET_S}", "--workers", "0",
+        "budget": _start(tmp_path, "budget", "--parts", "a", "--budget", f"a={BUDGET_S}", "--workers", "0", *no_wheels,
                          "--suite-args", f"{tests}::test_passes {tests}::test_sleeps_past_the_budget"),
-        "deadline": _start(tmp_path, "deadline", "--parts", "a", "--deadline", "0.5", "--workers", "0"),
-        "refused": _start(tmp_path, "refused", "--parts", "a,e", "--wheels", str(tmp_path / "no-wheels"),
-                          python=str(bare / "bin" / "python")),
+        "deadline": _start(tmp_path, "deadline", "--parts", "a", "--deadline", "0.5", "--workers", "0", *no_wheels),
+        "refused": _start(tmp_path, "refused", "--parts", "a,e", *no_wheels, python=str(bare / "bin" / "python")),
     }
     results = {name: _finish(started) for name, started in runs.items()}
 
