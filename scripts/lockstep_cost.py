@@ -177,7 +177,7 @@ def grid(parser, args) -> int:
                     traces["lockstep"].append([simulate(rrfp, topology, m, lockstep(replicas),
                                                         record_trace=True).trace])
                     for name, timeline in timelines.items():
-                        traces[name].append([run_with_epochs(rrfp, topology, m, r, timeline).result.trace
+                        traces[name].append([run_with_epochs(rrfp, topology, m, r, timeline).trace
                                              for r in replicas])
                 cells = []
                 for comm_f0 in comms:

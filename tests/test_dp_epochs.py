@@ -50,7 +50,7 @@ def test_replicas_complete_under_the_rule_with_dp_tasks_pinned(pp, chunks, sourc
             realization = sample_realization(Variability(**VARIABILITY_LEVELS[level]), topology, m, seed)
             run = run_with_epochs(config, topology, m, realization, timeline)
             for point in timeline.points:
-                order = run.result.orders[point.stage]
+                order = run.orders[point.stage]
                 at = order.index(point.task)
                 limit = timeline.index[(point.stage, point.task)]
                 before = {t for t in timeline.orders[point.stage][:limit]}
