@@ -149,6 +149,7 @@ class Command:
     timed_out: bool = False
     killed: int = 0  # processes beside the command killed with it at its time limit
     left_behind: int = 0  # processes of the part still alive after the command: killed
+    left_behind_commands: list = field(default_factory=list)  # their command lines (the first few)
     output: str = field(default="", repr=False)
 
     def record(self) -> dict:
@@ -176,6 +177,13 @@ def tagged_processes(tag: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")[:200].strip()
+    except OSError:
+        return "?"
 
 
 def session_processes(sid: int) -> list[int]:
@@ -268,6 +276,7 @@ class Runner:
         left = [p for p in tagged_processes(tag) + session_processes(proc.pid) if p != proc.pid]
         if left:  # the command ended but left processes behind: they go too, and the part says so
             result.left_behind = len(set(left))
+            result.left_behind_commands = [command_line(p) for p in sorted(set(left))[:5]]
             kill_tree(proc.pid, tag, lambda: True)
         reader.join(5)
         result.seconds = round(time.monotonic() - start, 2)
@@ -275,7 +284,8 @@ class Runner:
         self.current = None
         self.write(f"=== [{tag}] {'killed at its time limit' if result.timed_out else 'exit'} "
                    f"{result.returncode} after {result.seconds:.1f} s"
-                   + (f"; {result.left_behind} processes left behind, killed" if result.left_behind else "") + "\n")
+                   + (f"; {result.left_behind} processes left behind, killed: {result.left_behind_commands}"
+                      if result.left_behind else "") + "\n")
         return result
 
     def stop_current(self) -> None:

@@ -94,6 +94,7 @@ def test_device_check_on_a_cpu_host(tmp_path):
     suite = parts["a"]
     assert suite["status"] == "PASS" and suite["figures"]["counts"] == {"passed": 2}, suite
     assert suite["commands"][0]["left_behind"] >= 1 and "processes left behind" in suite["detail"], suite
+    assert any("time.sleep(300)" in line for line in suite["commands"][0]["left_behind_commands"]), suite
     assert not device_check.tagged_processes(suite["tag"]), "the process the test left behind still runs"
     for part in report["parts"]:
         assert set(part) >= {"part", "name", "status", "seconds", "budget_s", "detail", "commands", "figures"}
