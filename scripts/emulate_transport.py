@@ -12,7 +12,7 @@ production job on two pipelines: DP=2 with megatron DDP's bucketed reductions
 in F and B, the dispatcher's host sync in F), each pipeline stage at its own pace — with hints
 bf / bfw / 1f1b, buffer limits 2 / 4 / 32, random device times, host jitter and host-channel
 latency, run by the real executor, agreement and transport on
-``megatron_rrfp.verify.queue_device`` — one in-order queue per rank for compute, TP / DP / EP
+``tests/helpers/queue_device.py`` — one in-order queue per rank for compute, TP / DP / EP
 collectives and p2p, the worst case of ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see that module).
 ``rounds`` is the shipped device transport (with the whole-stage agreement where interleaved DP
 overlap needs it, ``mcore/dp_overlap.py``); ``early-receive`` replays the CUDA path this

@@ -94,9 +94,9 @@ def test_layers_only_import_downwards():
 
 def test_verification_tools_live_in_verify_and_bench_keeps_benchmarks():
     verify = {p.name for p in (PACKAGE / "verify").glob("*.py")}
-    assert {"selfcheck.py", "selfcheck_gpt.py", "selfcheck_loopback.py", "queue_device.py"} <= verify, verify
+    assert {"selfcheck.py", "selfcheck_gpt.py", "selfcheck_loopback.py", "host_channel.py"} <= verify, verify
     bench = {p.name for p in (PACKAGE / "bench").glob("*.py")}
-    assert not {n for n in bench if n.startswith("selfcheck") or n == "queue_device.py"}
+    assert not {n for n in bench if n.startswith("selfcheck") or n == "host_channel.py"}
     scripts = PACKAGE.parent / "scripts"
     assert not list(scripts.glob("issue*.py")), "scripts are named for what they do, not for an issue number"
     assert "megatron_rrfp.verify.selfcheck" in (scripts / "gpu_selfcheck.py").read_text(encoding="utf-8")
@@ -107,9 +107,10 @@ def test_test_code_and_research_drivers_live_outside_the_package():
     deadlock), the default policy's grid and the benchmark table live in tests/helpers and
     scripts/; the package has no runnable module but its commands."""
     tests = pathlib.Path(__file__).parent
-    assert (tests / "helpers" / "emulated_pipeline.py").exists() and (tests / "helpers" / "default_grid.py").exists()
+    assert all((tests / "helpers" / name).exists() for name in ("emulated_pipeline.py", "queue_device.py",
+                                                                "default_grid.py"))
     assert (PACKAGE.parent / "scripts" / "bench_suite.py").exists()
-    for gone in ("verify/emulated_pipeline.py", "sim/grid.py", "bench/suite.py"):
+    for gone in ("verify/emulated_pipeline.py", "verify/queue_device.py", "sim/grid.py", "bench/suite.py"):
         assert not (PACKAGE / gone).exists(), gone
     runnable = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                 if '__name__ == "__main__"' in p.read_text(encoding="utf-8")}

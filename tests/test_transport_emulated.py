@@ -2,7 +2,7 @@
 
 Every rank gets a stand-in GPU with ONE in-order queue for compute, TP collectives and
 p2p (``CUDA_DEVICE_MAX_CONNECTIONS=1``; a send or receive blocks the queue until its
-partner runs — ``megatron_rrfp.verify.queue_device``). The real executor, arbiter, TP
+partner runs — ``tests/helpers/queue_device.py``). The real executor, arbiter, TP
 agreement and transport run on it, a thread per rank, with random device times, host
 jitter and host-channel latency. ``scripts/emulate_transport.py`` runs many more.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from helpers.emulated_pipeline import EmulatedJob, random_jobs, run_emulated
+from helpers.queue_device import ThreadCollective
 from megatron_rrfp.policy.actions import Kind, Task
 from megatron_rrfp.runtime.agreement import AgreementError, TPAgreement
-from megatron_rrfp.verify.queue_device import ThreadCollective
 
 # random jobs name bf / bfw on interleaved layouts where the planner announces a loss (tests/test_policy.py)
 pytestmark = [pytest.mark.timeout(240),
@@ -65,7 +65,7 @@ def test_whole_production_jobs_on_two_pipelines_complete(kwargs):
 def test_replicas_that_issue_different_collectives_are_caught():
     """The fabric pairs a group's n-th collectives and fails the job when they differ (NCCL
     would hang on different sizes and corrupt on equal ones): what a DP rule must prevent."""
-    from megatron_rrfp.verify.queue_device import MismatchedCollective, QueueFabric, TPGroupOps
+    from helpers.queue_device import MismatchedCollective, QueueFabric, TPGroupOps
 
     fabric = QueueFabric([0, 1], quiet_s=1.0)
     try:

@@ -13,7 +13,7 @@ parallelism, and the B/W split's collectives inside W: docs/design/rounds-protoc
 
 The device and the host channel are injected (``Device``, ``HostChannel``): ``device.py``
 ships NCCL and gloo ones; tests drive the same protocol on an emulated single-queue device
-(``megatron_rrfp/verify/queue_device.py``).
+(``tests/helpers/queue_device.py``).
 """
 from __future__ import annotations
 

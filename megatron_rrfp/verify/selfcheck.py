@@ -36,7 +36,7 @@ two or more GPUs (all ranks together, NCCL)
 Coverage limits, said here so a PASS is not read as more: the loopback step's rounds are
 CUDA copies (its first side does not block its queue as an NCCL kernel does, and its
 wait() blocks the host), so ordering deadlocks are the business of nccl-stress (real
-NCCL) and of the single-queue emulation on CPU (``verify/queue_device.py``). The whole
+NCCL) and of the single-queue emulation on CPU (``tests/helpers/queue_device.py``). The whole
 run takes a few minutes on one 8-GPU node: torchrun --nproc-per-node 8 scripts/gpu_selfcheck.py
 """
 from __future__ import annotations

@@ -175,7 +175,7 @@ def loopback_pipeline(*, chunks: int, hint: str, buffer_limit: int, microbatches
     from ..policy.topology import Topology
     from ..runtime.executor import Inbox, PipelineIteration
     from ..runtime.rounds import RoundTransport
-    from .queue_device import ChannelHub, EmulatedChannel
+    from .host_channel import ChannelHub, EmulatedChannel
 
     device = torch.cuda.current_device()
     topology = Topology(2, chunks)
