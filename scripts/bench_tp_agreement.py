@@ -31,8 +31,8 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
     from megatron.core import parallel_state
 
     from megatron_rrfp.bench.hooks import sleep_before_tasks
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import agreement_group
     from megatron_rrfp.train import models

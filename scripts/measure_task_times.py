@@ -435,7 +435,7 @@ def measure(args) -> dict:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("measure_task_times: --device cuda, but torch sees no CUDA device (use --device cpu)")
     if not cuda:
-        from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+        from megatron_rrfp.cpu import enable_cpu_reference_schedules
 
         enable_cpu_reference_schedules()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

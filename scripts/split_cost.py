@@ -80,7 +80,7 @@ def measure(args, heads: int) -> dict:
     cuda = args.cuda
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
-        from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+        from megatron_rrfp.cpu import enable_cpu_reference_schedules
 
         enable_cpu_reference_schedules()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

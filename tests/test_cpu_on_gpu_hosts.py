@@ -19,8 +19,8 @@ from megatron_rrfp.dist.launcher import launch
 def _what_a_rank_sees() -> dict:
     import torch
 
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.compat import pipeline_device
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     return {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cuda_available": torch.cuda.is_available(), "device": str(pipeline_device()),

@@ -244,9 +244,9 @@ def _rrfp_job_with_recorder(path: str):
 
     from helpers import mlp
     from megatron_rrfp.bench.hooks import sleep_before_tasks
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.goodput.recorder import breakdown_vector
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
     from megatron_rrfp.train import models

@@ -77,7 +77,7 @@ def _mlp_1f1b_losses() -> list[float]:
     """Run megatron-core's own schedule over MLPStage; per-microbatch losses (last stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()
@@ -100,7 +100,7 @@ def _gpt_grads(full_state=None, vpp=None) -> dict:
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()

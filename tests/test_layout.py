@@ -92,6 +92,17 @@ def test_layers_only_import_downwards():
                 assert not bad, f"{module} imports {bad}"
 
 
+def test_the_cpu_shim_sits_below_the_schedule():
+    """The CUDA stand-ins (cpu/) import, of this package, only megatron-core's adapter and
+    Megatron-LM's layout; the policy, the runtime, the B/W split and the schedule never import them."""
+    for module, targets in _graph().items():
+        if module.startswith("megatron_rrfp.cpu"):
+            outside = {t for t in targets if not t.startswith("megatron_rrfp.cpu")}
+            assert outside <= {"megatron_rrfp.mcore.compat", "megatron_rrfp.megatron_lm.hookpoints"}, (module, outside)
+        if module.startswith(("megatron_rrfp.policy", "megatron_rrfp.runtime", "megatron_rrfp.split",
+                              "megatron_rrfp.mcore")):
+            assert not [t for t in targets if t.startswith("megatron_rrfp.cpu")], module
+
 def test_verification_tools_live_in_verify_and_bench_keeps_benchmarks():
     verify = {p.name for p in (PACKAGE / "verify").glob("*.py")}
     assert {"selfcheck.py", "selfcheck_gpt.py", "selfcheck_loopback.py", "host_channel.py"} <= verify, verify
@@ -159,6 +170,7 @@ MAY_SLEEP = {
 MAY_READ_ENVIRONMENT = {
     "dist": "torch.distributed's rendezvous variables", "megatron_lm": "Megatron-LM's launch and CUDA settings",
     "train": "the launcher's rank variables", "verify": "the self-check's launch", "bench": "temporary paths",
+    "cpu": "CUDA_DEVICE_MAX_CONNECTIONS, which Megatron-LM's argument checks require",
     "quiet.py": "RRFP_QUIET_DEPENDENCIES",
 }
 TEST_ONLY_IMPORTS = ("pytest", "unittest", "helpers", "tests", "conftest")

@@ -53,7 +53,7 @@ def shims_probe() -> bool:
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_rrfp.megatron_lm import cpu_training
+    from megatron_rrfp.cpu import megatron_lm as cpu_training
 
     assert cpu_training.enable_cpu_training()
     cpu_training._clip_grads_on_cpu()  # what enable_cpu_training adds where megatron.training is present

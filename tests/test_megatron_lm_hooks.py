@@ -185,7 +185,7 @@ def test_rrfp_alone_puts_its_breakdown_in_megatrons_tensorboard_timers(training,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()  # megatron-core's Timers gather on current_device()
     timers = Timers(0, "minmax")

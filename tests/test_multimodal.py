@@ -40,7 +40,7 @@ def _encoder_work(counts_per_batch: list[list[int]]) -> dict:
     tokens the ViT processed for each, the output shapes and whether all params got grads."""
     import torch
 
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.train.recipes import multimodal as mm
 
     enable_cpu_reference_schedules()

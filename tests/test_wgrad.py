@@ -199,7 +199,7 @@ def _watch_ddp_adds_in_b(stage, deferred) -> list:
 
 def compare_split(cases: list[tuple[str, str, bool]]) -> list[dict]:
     """For each (kind, ddp, pre_process): max relative gradient error and the split's facts."""
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
     results = []
@@ -226,8 +226,8 @@ def store_contract() -> dict:
     """Errors and max_pending on an MLP stage (single process)."""
     import torch
 
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore import wgrad
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
     stage, model, batches, _ = _build("mlp", "", pre_process=True)

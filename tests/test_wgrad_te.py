@@ -157,8 +157,8 @@ BIAS_CASES = (  # (ddp, fused, fp8): a bias in the GEMM (te1) and a returned one
 
 def te_split_suite() -> dict:
     from helpers import te_standin
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore import wgrad
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
 
     enable_cpu_reference_schedules()
 

@@ -256,10 +256,10 @@ def bench_rank(config: BenchConfig, progress_path: Optional[str] = None, table_p
         forward_backward_pipelining_without_interleaving,
     )
 
+    from ..cpu import enable_cpu_reference_schedules
     from ..goodput.recorder import GoodputRecorder
     from ..mcore.compat import pipeline_device
     from ..mcore.config import RRFPConfig
-    from ..mcore.cpu import enable_cpu_reference_schedules
     from ..mcore.schedule import forward_backward_rrfp, last_iteration_report
     from ..mcore.session import shutdown
     from ..policy.topology import Topology

@@ -478,7 +478,7 @@ def _setup(spec: _RankSpec) -> None:
     if spec.init_megatron:
         from megatron.core import parallel_state
 
-        # No model_parallel_cuda_manual_seed: it needs CUDA (see megatron_rrfp.mcore.cpu).
+        # No model_parallel_cuda_manual_seed: it needs CUDA (see megatron_rrfp.cpu).
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
             virtual_pipeline_model_parallel_size=spec.vpp, context_parallel_size=spec.cp,

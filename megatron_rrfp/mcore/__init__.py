@@ -1,5 +1,5 @@
 """Megatron-core's schedule contract: ``forward_backward_rrfp`` and what it needs from
-megatron-core — version differences in ``compat.py``, CPU redirects in ``cpu.py``,
+megatron-core — version differences in ``compat.py`` (its CPU stand-ins are ``megatron_rrfp.cpu``),
 gradient-sync rules in ``grad_sync.py``, the B/W split of its linears in ``wgrad.py``,
 the per-process transport and groups in ``session.py``.
 

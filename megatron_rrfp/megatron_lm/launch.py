@@ -13,7 +13,7 @@ sees no CUDA device, hidden before anything imports torch): CUDA device,
 stream, event, RNG and synchronize calls are redirected to CPU equivalents,
 ``torch.cuda.device_count()`` reports 1, the device properties Megatron asks for at TP > 1
 describe a "cpu" device, ``initialize_megatron`` gets ``allow_no_cuda=True`` and no fused
-kernels are built (``cpu_training.py``). A tiny GPT at TP=2 x PP=2 (and DP=2 x PP=2),
+kernels are built (``megatron_rrfp/cpu/megatron_lm.py``). A tiny GPT at TP=2 x PP=2 (and DP=2 x PP=2),
 checked with Megatron-LM core_v0.16.1 and the megatron-core 0.16.1 wheel; ``pip install
 'megatron-rrfp[megatron-lm]'`` installs what megatron.training imports and pybind11, with
 which Megatron builds its dataset helpers at start-up::
@@ -81,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from ..dist.env import hide_cuda
 
         hide_cuda()  # before megatron (or anything) asks torch for the device count
-        from .cpu_training import enable_cpu_training
+        from ..cpu import enable_cpu_training
 
         enable_cpu_training()
     from .install import install

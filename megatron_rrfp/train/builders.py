@@ -125,7 +125,7 @@ def build_optimizer(cfg, chunks: list, timers=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from ..mcore.cpu import cpu_tensor_types_named_as_cuda, enable_cpu_optimizer
+    from ..cpu import cpu_tensor_types_named_as_cuda, enable_cpu_optimizer
 
     if cfg.cpu:
         enable_cpu_optimizer()

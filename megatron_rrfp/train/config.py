@@ -149,7 +149,7 @@ class TrainConfig:
     bf16: bool = _flag(False, "bf16 weights and activations, fp32 main weights and gradient reduction (Megatron-LM's "
                        "--bf16)", "parallelism", action="store_true")
     # launching
-    cpu: bool = _flag(False, "train on CPU over gloo (megatron-core bent to CPU by megatron_rrfp.mcore.cpu)",
+    cpu: bool = _flag(False, "train on CPU over gloo (megatron-core bent to CPU by megatron_rrfp.cpu)",
                       "launching", action="store_true")
     nproc: Optional[int] = _flag(None, "start N local ranks, as torchrun --standalone --nproc-per-node N would "
                                  "(with --cpu forked from this process after one import of torch and megatron-core; "

@@ -168,7 +168,7 @@ def setup(cfg: TrainConfig):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.cpu:
-        from ..mcore.cpu import enable_cpu_reference_schedules
+        from ..cpu import enable_cpu_reference_schedules
 
         enable_cpu_reference_schedules()
     else:

@@ -15,7 +15,7 @@ RANK_IMPORTS = ("torch", "torch.distributed", "megatron.core", "megatron.core.pa
                 "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
                 "megatron.core.pipeline_parallel.schedules", "megatron_rrfp.train.driver",
                 "megatron_rrfp.train.builders", "megatron_rrfp.train.checkpoint", "megatron_rrfp.train.metrics",
-                "megatron_rrfp.mcore.schedule", "megatron_rrfp.mcore.cpu", "megatron_rrfp.megatron_lm.hooks",
+                "megatron_rrfp.mcore.schedule", "megatron_rrfp.cpu", "megatron_rrfp.megatron_lm.hooks",
                 "megatron_rrfp.goodput.recorder", "megatron_rrfp.runtime.memory")
 
 

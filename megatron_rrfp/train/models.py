@@ -3,7 +3,7 @@
 ``build_gpt_stage``: megatron-core's own ``GPTModel`` with the local (no Transformer
 Engine) layer spec, as one pipeline stage (``set_input_tensor(list)``, a ``config``
 attribute, the stage's role in ``pre_process``/``post_process``): the real thing, tiny.
-Call ``megatron_rrfp.mcore.cpu.enable_cpu_reference_schedules()`` before running it on a
+Call ``megatron_rrfp.cpu.enable_cpu_reference_schedules()`` before running it on a
 CPU-only host.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def tiny_gpt_config(**overrides) -> TransformerConfig:
     initialised): TransformerBlock splits layers by ``config.pipeline_model_parallel_size``
     but picks its share by parallel_state's rank, so the two must agree.
     ``num_layers`` defaults to 2 per (virtual) stage. Dropout is 0 so results do not
-    depend on RNG streams (the CUDA RNG tracker is a no-op on CPU, see mcore/cpu.py), and all
+    depend on RNG streams (the CUDA RNG tracker is a no-op on CPU, see cpu/megatron_core.py), and all
     fusions are off (they need CUDA kernels).
     """
     tp, pp, vpp, cp = parallel_sizes()

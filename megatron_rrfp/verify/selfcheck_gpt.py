@@ -66,7 +66,7 @@ def compare_with_megatron(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterati
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     else:
-        from ..mcore.cpu import enable_cpu_reference_schedules
+        from ..cpu import enable_cpu_reference_schedules
 
         enable_cpu_reference_schedules()
     reference_schedule = schedules.forward_backward_pipelining_with_interleaving if chunks > 1 else \

@@ -186,8 +186,8 @@ def compare_with_megatron(case: Case) -> dict:
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
     from megatron_rrfp.policy.hints import megatron_1f1b_order

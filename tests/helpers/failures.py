@@ -21,7 +21,7 @@ from . import mlp
 
 
 def _stage_and_data(**config_overrides):
-    from megatron_rrfp.mcore.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()

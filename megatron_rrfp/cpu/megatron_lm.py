@@ -1,23 +1,16 @@
 """Megatron-LM's training loop on CPU, process-wide (``python -m megatron_rrfp.launch --cpu``)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
 import os
-import time
 
 import torch
 
-from ..mcore.cpu import (
-    FACTORIES,
-    cpu_factory,
-    cpu_tensor_types_named_as_cuda,
-    enable_cpu_reference_schedules,
-    runs_on_cuda,
-)
-from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
+from ..megatron_lm.hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
+from .megatron_core import cpu_tensor_types_named_as_cuda, enable_cpu_reference_schedules, runs_on_cuda
+from .standins import CUDA_CALLS, FACTORIES, CpuDeviceProperties, cpu_factory
 
 # --------------------------------------------------------------------------- CPU training (launcher --cpu)
 #
@@ -25,14 +18,14 @@ from .hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_argume
 # the device, seeds CUDA RNG, times with CUDA events, builds tensors with device="cuda" or
 # .cuda(), and only initialises model parallelism when torch.cuda.device_count() > 0.
 # `python -m megatron_rrfp.launch --cpu` makes an unmodified entry script train on CPU over
-# gloo by redirecting those calls *process-wide*: unlike the per-module reference
-# redirects above, every megatron.training module and lazily imported helper would need
-# them, and the launcher's process runs nothing else. One-way on purpose: there is no
-# disable (the process has no CUDA to go back to).
+# gloo by redirecting those calls *process-wide* (the stand-ins of standins.py, set on
+# torch.cuda itself): unlike megatron_core.py's per-module redirects, every megatron.training
+# module and lazily imported helper would need them, and the launcher's process runs nothing
+# else. One-way on purpose: there is no disable (the process has no CUDA to go back to).
 #   torch.cuda.device_count() -> 1        Megatron-LM then initialises model parallelism
 #   current_device / set_device           "cpu" / no-op (device= arguments become CPU)
-#   synchronize, streams, events          no-ops; Event times with perf_counter
-#   CUDA RNG (manual_seed, get/set_rng_state)  the CPU generator (fork() is a no-op above,
+#   synchronize, streams, events          standins.CUDA_CALLS: no-ops; Event times with perf_counter
+#   CUDA RNG (manual_seed, get/set_rng_state)  the CPU generator (fork() is a no-op there,
 #                                         so dropout draws from it)
 #   memory statistics, empty_cache        0 / no-op
 #   get_device_properties / _capability   a "cpu" device of compute capability 0.0 (validate_args
@@ -80,86 +73,16 @@ def enable_cpu_training() -> bool:
     return True
 
 
-class _CpuStream:
-    """A CUDA stream stand-in: CPU work is already ordered."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        return None
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def record_event(self, event=None):
-        event = event or _CpuEvent()
-        event.record()
-        return event
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _CpuEvent:
-    """A CUDA event stand-in; elapsed_time in milliseconds, like CUDA's."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self._t = None
-
-    def record(self, stream=None):
-        self._t = time.perf_counter()
-
-    def elapsed_time(self, end: _CpuEvent) -> float:
-        return (end._t - self._t) * 1000.0
-
-    def synchronize(self):
-        return None
-
-    def wait(self, stream=None):
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-class _CpuDeviceProperties:
-    """What torch.cuda.get_device_properties answers about this host's "device"."""
-
-    name = gcnArchName = "cpu"  # torch.compile's cache key reads gcnArchName on non-CUDA builds
-    major = 0
-    minor = 0
-    is_integrated = False
-    multi_processor_count = os.cpu_count() or 1
-    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-
-
 def _cpu_seed(seed) -> None:
     torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls back into cuda
 
 
 def _redirect_torch_cuda() -> None:
     cuda = torch.cuda
-    stream = _CpuStream()
     redirects = {
+        **CUDA_CALLS,
         "device_count": lambda: 1,
-        "current_device": lambda: "cpu",
         "set_device": lambda device: None,
-        "synchronize": lambda device=None: None,
-        "Stream": _CpuStream,
-        "Event": _CpuEvent,
-        "current_stream": lambda device=None: stream,
-        "default_stream": lambda device=None: stream,
-        "stream": lambda s=None: contextlib.nullcontext(),
         "set_stream": lambda s: None,
         "empty_cache": lambda: None,
         "manual_seed": _cpu_seed,
@@ -172,7 +95,7 @@ def _redirect_torch_cuda() -> None:
         "max_memory_reserved": lambda device=None: 0,
         "memory_stats": lambda device=None: {},
         "reset_peak_memory_stats": lambda device=None: None,
-        "get_device_properties": lambda device=None: _CpuDeviceProperties(),
+        "get_device_properties": lambda device=None: CpuDeviceProperties(),
         "get_device_capability": lambda device=None: (0, 0),
         "get_device_name": lambda device=None: "cpu",
     }

@@ -12,14 +12,14 @@ import types
 
 import torch
 
-# --------------------------------------------------------------------------- CPU reference
-#
-# megatron-core's schedules are the reference our executor is checked against. They run
-# over gloo on CPU except for a few hard-coded CUDA calls (as of 0.16.1):
+from .standins import CpuTorch
+
+# megatron-core's schedules run over gloo on CPU except for a few hard-coded CUDA calls (as of 0.16.1):
 #   schedules.py          total_num_tokens = torch.zeros([], ..., device="cuda")   (x3)
 #   p2p_communication.py  torch.empty(..., device=torch.cuda.current_device())     (recv
 #                         buffers, shape exchange) and torch.cuda.synchronize() after
-#                         batch_isend_irecv
+#                         batch_isend_irecv; isend / irecv requests waited on after the
+#                         sent output's .data was replaced (CUDA keeps the buffer: standins.py)
 #   transformer/utils.py  get_default_causal_mask(): torch.ones(..., device="cuda"), used
 #                         by local attention when attention_mask is None (middle stages)
 #   utils.py              GlobalMemoryBuffer.get_tensor(): device=torch.cuda.current_device(),
@@ -31,9 +31,10 @@ import torch
 #   distributed/param_and_grad_buffer.py (0.19) torch.cuda.current_stream() in
 #                         start_grad_sync (waits for CUDA-graph wgrad events)
 # Rather than patch functions (their bodies change every release), each affected module
-# gets its own stand-in for its global name `torch`: identical except that "cuda" devices
-# become "cpu" and torch.cuda.current_device/synchronize are CPU-safe. Nothing outside
-# those modules sees a difference, and the patch survives edits to the function bodies.
+# gets its own stand-in for its global name `torch` (standins.CpuTorch): identical except
+# that "cuda" devices become "cpu", torch.cuda's unconditional calls are CPU-safe and p2p
+# requests keep their buffers. Nothing outside those modules sees a difference, and the
+# redirection survives edits to the function bodies.
 
 # Modules whose module-level `torch` is replaced; missing ones (other releases) are skipped.
 _CPU_REDIRECTED_MODULES = (
@@ -53,19 +54,14 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict",
-    # MoE (see the MoE section below): the alltoall dispatcher's D2H stream and event,
-    # router / expert parameters and aux-loss buffers on current_device(), the per-layer
-    # aux-loss tracker on "cuda"
+    # MoE: the alltoall dispatcher's D2H stream and event, router / expert parameters and
+    # aux-loss buffers on current_device(), the per-layer aux-loss tracker on "cuda"
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.moe_layer",
 )
-# torch functions that take `device=`; only these are wrapped, so classes such as
-# torch.Tensor stay real classes (isinstance checks keep working).
-FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn",
-              "randint", "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor")
 
 _enabled = False
 _redirected: list[str] = []
@@ -94,7 +90,7 @@ def enable_cpu_reference_schedules() -> bool:
         except ImportError:
             continue
         if isinstance(getattr(module, "torch", None), types.ModuleType):
-            module.torch = _CpuTorch()
+            module.torch = CpuTorch()
             _redirected.append(name)
     _disable_cuda_rng_fork()
     _define_missing_te_names()
@@ -103,7 +99,7 @@ def enable_cpu_reference_schedules() -> bool:
 
 
 def runs_on_cuda() -> bool:
-    from .compat import pipeline_device
+    from ..mcore.compat import pipeline_device
 
     return pipeline_device().type == "cuda"
 
@@ -111,125 +107,6 @@ def runs_on_cuda() -> bool:
 def cpu_redirected_modules() -> tuple[str, ...]:
     """Modules whose `torch` was redirected (for debugging and tests)."""
     return tuple(_redirected)
-
-
-def _to_cpu_device(device):
-    """'cuda', 'cuda:1', torch.device('cuda') and bare CUDA ordinals become 'cpu'."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return "cpu"
-    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
-        return "cpu"
-    return device
-
-
-def cpu_factory(factory):
-    def call(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _to_cpu_device(kwargs["device"])
-        return factory(*args, **kwargs)
-
-    call.__name__ = factory.__name__
-    call.__doc__ = f"torch.{factory.__name__} with CUDA devices mapped to CPU."
-    return call
-
-
-class _CpuCuda(types.ModuleType):
-    """Stand-in for torch.cuda: the calls megatron makes unconditionally are CPU-safe.
-
-    On a CUDA build of torch without a GPU these calls would otherwise try to initialise the
-    driver (and, in a rank forked from the launcher's server, fail as 'Cannot re-initialize
-    CUDA in forked subprocess', since importing megatron-core already asked for the device count)."""
-
-    def __init__(self):
-        super().__init__("torch.cuda")
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def current_device():
-        return "cpu"  # only ever used as a device= argument by the redirected modules
-
-    @staticmethod
-    def synchronize(device=None):
-        return None  # CPU ops and gloo waits are already synchronous
-
-    # MoE's alltoall dispatcher copies its split sizes to the host on a side stream and
-    # waits on an event before the all-to-all: on CPU every op has finished when it returns.
-    Stream = None  # set below (the classes refer to each other)
-    Event = None
-
-    @staticmethod
-    def current_stream(device=None):
-        return _CPU_STREAM  # also 0.19's bucket finish_grad_sync, waiting on CUDA-graph wgrad events
-
-    @staticmethod
-    def stream(stream):
-        return contextlib.nullcontext()
-
-
-class _CpuEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def wait(self, stream=None):
-        return None
-
-    def query(self):
-        return True
-
-
-class _CpuStream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def record_event(self, event=None):
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
-
-_CpuCuda.Stream, _CpuCuda.Event = _CpuStream, _CpuEvent
-_CPU_STREAM = _CpuStream()
-
-
-def _host_splits(splits):
-    """gloo's all_to_all_single takes split sizes as a list of ints (megatron passes numpy
-    arrays or tensors)."""
-    return None if splits is None else [int(n) for n in splits]
-
-
-class _CpuDistributed(types.ModuleType):
-    """Stand-in for torch.distributed: all-to-all split sizes as lists (what gloo accepts)."""
-
-    def __init__(self):
-        super().__init__("torch.distributed")
-
-    def __getattr__(self, name):
-        return getattr(torch.distributed, name)
-
-    @staticmethod
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        return torch.distributed.all_to_all_single(output, input, output_split_sizes=_host_splits(output_split_sizes),
-                                                   input_split_sizes=_host_splits(input_split_sizes), group=group,
-                                                   async_op=async_op)
 
 
 def _define_missing_te_names() -> None:
@@ -242,21 +119,6 @@ def _define_missing_te_names() -> None:
         return
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-class _CpuTorch(types.ModuleType):
-    """Stand-in for the module `torch` inside one megatron module (see section comment)."""
-
-    def __init__(self):
-        super().__init__("torch")
-        self.cuda = _CpuCuda()
-        self.distributed = _CpuDistributed()
-        for name in FACTORIES:
-            if hasattr(torch, name):
-                setattr(self, name, cpu_factory(getattr(torch, name)))
-
-    def __getattr__(self, name):  # only reached for names not set in __init__
-        return getattr(torch, name)
 
 
 def _disable_cuda_rng_fork() -> None:
