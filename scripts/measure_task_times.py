@@ -24,7 +24,7 @@ Workloads (``--workloads``, any of them):
 
 Kinds, per microbatch, on the same input: F the forward; B the whole backward as Megatron's
 1F1B runs it (megatron-core's ``backward_step``); then a second forward and the split
-backward (``mcore.wgrad``, as the executor runs it): I the input-gradient half (under
+backward (``split.megatron_linear``, as the executor runs it): I the input-gradient half (under
 ``WeightGradStore.deferring``) and W the deferred weight-gradient half (``store.run``).
 Each is timed on its own, the device idle before it: on CUDA with CUDA events (device time
 between the two events on the stream, milliseconds), on CPU with the host's wall clock.
@@ -178,7 +178,8 @@ class StageTimer:
     """F, B, I, W of one stage: Megatron's forward/backward steps and rrfp's B/W split."""
 
     def __init__(self, stage, device) -> None:
-        from megatron_rrfp.mcore import compat, wgrad
+        from megatron_rrfp.mcore import compat
+        from megatron_rrfp.split import megatron_linear as wgrad
 
         self.stage, self.device, self.compat = stage, device, compat
         self.config = compat.get_model_config(stage)
@@ -362,7 +363,7 @@ def measure_moe(setup: Setup) -> dict:
                                                        aux_loss_coeff=0.01),
                              moe_ffn_hidden_size=4 * a.hidden_size,
                              add_bias_linear=False)  # as most MoE LLMs (biased SequentialMLP experts add
-    # their bias in place on a view of their output: autograd refuses it on megatron-core 0.16.1 and 0.19.2)
+    # their bias in place on a view of their output: autograd refuses it, megatron-core 0.16.1 with torch 2.13)
     loads = RouterLoads(stage)
     mbs = middle_microbatches(setup, stage, step, [a.seq_length] * (a.microbatches + a.warmup), a.moe_input_skew)
     # both forwards of a cycle route the same tokens with the same weights: the same loads
