@@ -60,6 +60,7 @@ DEFAULT_BUDGET_S = {"a": 300, "b": 120, "c": 150, "d": 150, "e": 150, "f": 120}
 DEFAULT_DEADLINE_S = 470  # the check's own limit: 8 minutes, with room for the wheels' install
 MIN_START_S = 15  # a part is not started with less time than this left before the deadline
 KILL_GRACE_S = 5  # SIGTERM, then this long, then SIGKILL
+LEAVE_S = 3  # after a command ends, what of it still runs this long later was left behind
 TAG_VARIABLE = "RRFP_DEVICE_CHECK_TAG"
 GPU_PARTS = {"b", "c", "d", "f"}
 # What a GPU image with torch, pytest, pytest-xdist, hypothesis and matplotlib lacks for the
@@ -273,7 +274,12 @@ class Runner:
             result.killed = kill_tree(proc.pid, tag, lambda: proc.poll() is not None)
             proc.wait()
         result.returncode = proc.returncode
-        left = [p for p in tagged_processes(tag) + session_processes(proc.pid) if p != proc.pid]
+        settle = time.monotonic() + LEAVE_S  # helpers that end with their parent (multiprocessing's
+        while True:  # fork server and resource tracker) take a moment to see it go
+            left = [p for p in tagged_processes(tag) + session_processes(proc.pid) if p != proc.pid]
+            if not left or time.monotonic() > settle:
+                break
+            time.sleep(0.1)
         if left:  # the command ended but left processes behind: they go too, and the part says so
             result.left_behind = len(set(left))
             result.left_behind_commands = [command_line(p) for p in sorted(set(left))[:5]]
