@@ -290,3 +290,19 @@ def hybrid_model_unavailable() -> str:
         return ""
     return (f"megatron-core's HybridModel needs megatron-core >= {HYBRID_MODEL_SINCE.major}."
             f"{HYBRID_MODEL_SINCE.minor} (installed: {MEGATRON_CORE_VERSION})")
+
+
+# --pipeline-model-parallel-layout with more stages than ranks (interleaved, unequal chunks): rrfp's
+# losses equal Megatron's on Megatron-LM core_v0.19.0 / megatron-core 0.19.2; on core_v0.16.1 / 0.16.1
+# they differ from its interleaved schedule's (NaN with an embedding-only chunk), and 0.17 / 0.18
+# were not run, so it is refused there (one stage per rank runs on both).
+INTERLEAVED_LAYOUT_SINCE = Version("0.19.0")
+
+
+def interleaved_layout_unverified() -> str:
+    """Why rrfp refuses an interleaved --pipeline-model-parallel-layout here (empty if it runs)."""
+    if MEGATRON_CORE_VERSION.release >= INTERLEAVED_LAYOUT_SINCE.release:
+        return ""
+    return (f"with more stages than ranks it is verified on megatron-core >= {INTERLEAVED_LAYOUT_SINCE.major}."
+            f"{INTERLEAVED_LAYOUT_SINCE.minor} only (installed: {MEGATRON_CORE_VERSION}; on 0.16.1 rrfp's losses "
+            "differ from Megatron's interleaved schedule's)")
