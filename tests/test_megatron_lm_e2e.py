@@ -6,13 +6,18 @@ megatron-core's minor runs, the others skip with the reason, and without ``MEGAT
 everything skips. A tree is copied to a temporary directory first (Megatron builds its
 dataset helpers inside it at start-up, with the Makefile's ``python3`` / ``python3-config``:
 the venv's bin goes first on PATH and, under pyenv, ``PYENV_VERSION`` defaults to this
-interpreter's version). Ranks run from outside the checkout, 4 per launch (pretrain_vlm.py: 2) (torchrun
+interpreter's version). Ranks run from outside the checkout, 4 per launch (PP=2 alone: 2) (torchrun
 ``--standalone``), on CPU over gloo.
 
   pretrain_gpt.py     TP=2 x PP=2, RRFP's default hint vs Megatron's 1F1B: the same losses;
                       PP=2 x 2 model chunks x DP=2 with the production flags
                       (--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer):
                       losses and grad norms equal Megatron's interleaved schedule's, the split active
+                      --pipeline-model-parallel-layout: PP=2 with 1 and 3 layers (Et|tttL), and PP=2 x 2
+                      chunks of 0, 2, 1 and 1 layers (E|tt|t|tL; an embedding-only chunk), 2 ranks:
+                      losses (and grad norms, the first) equal Megatron's (the second: refused at
+                      start before megatron-core 0.19); --cuda-graph-impl full_iteration
+                      (0.16.1: local with the full_iteration scope) exits at start with rrfp's one line
   pretrain_hybrid.py  (0.18+) HybridModel with megatron_rrfp.mcore.hybrid_spec, TP=2 x PP=2
                       and PP=2 x 2 model chunks (four '|' segments: Megatron's interleaved
                       schedule); rrfp's losses equal Megatron's
@@ -29,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from helpers.megatron_lm import VLM, copy_tree, pretrain, release
-from megatron_rrfp.mcore.compat import MEGATRON_CORE_VERSION, hybrid_model_unavailable
+from megatron_rrfp.mcore.compat import MEGATRON_CORE_VERSION, hybrid_model_unavailable, interleaved_layout_unverified
 
 TREES = [t for t in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if t]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -43,10 +48,17 @@ CASES = {  # id: (script, flags)
     "hybrid-tp2-pp2": ("pretrain_hybrid.py", [*TP2_PP2, "--hybrid-layer-pattern", "*-|*-", *HYBRID_SPEC]),
     "hybrid-pp2-2chunks": ("pretrain_hybrid.py", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern",
                                                   "*-|*-|*-|*-", *HYBRID_SPEC]),
+    # unequal stages (Megatron-LM's layout string: E embedding, t layer, L loss, | between stages)
+    "gpt-pp2-layout-1-3": ("pretrain_gpt.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                               "--pipeline-model-parallel-layout", "Et|tttL", "--clip-grad", "1.0"]),
+    "gpt-pp2-layout-2chunks-0-2-1-1": ("pretrain_gpt.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                                           "--pipeline-model-parallel-layout", "E|tt|t|tL"]),
     # the rest of LLaVA's matrix (PP2/PP4 x TP1/TP2, both trees): scripts/pretrain_vlm_rrfp_matrix.py
     "vlm-pp2": ("pretrain_vlm.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4", *VLM]),
 }
-GRAD_NORMS = {"vlm-pp2", "gpt-pp2-2chunks-dp2-overlap"}  # read from the tensorboard event file; the split active
+GRAD_NORMS = {"vlm-pp2", "gpt-pp2-2chunks-dp2-overlap", "gpt-pp2-layout-1-3"}  # tensorboard's; the split active
+INTERLEAVED_LAYOUT = {"gpt-pp2-layout-2chunks-0-2-1-1"}  # refused where compat.interleaved_layout_unverified()
+TWO_RANKS = {"vlm-pp2", "gpt-pp2-layout-1-3", "gpt-pp2-layout-2chunks-0-2-1-1"}  # PP=2 alone (else DP=2 or TP=2)
 LAUNCH_TIMEOUT_S = 900
 
 
@@ -70,9 +82,16 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
     script, flags = CASES[case]
     if script == "pretrain_hybrid.py" and (hybrid_model_unavailable() or not (tree / script).is_file()):
         pytest.skip(hybrid_model_unavailable() or f"{tree.name} has no {script}")
-    vlm, grad_norms = script == "pretrain_vlm.py", case in GRAD_NORMS
+    grad_norms = case in GRAD_NORMS
+    if case in INTERLEAVED_LAYOUT and interleaved_layout_unverified():  # refused at start there, in one line
+        run = pretrain(tree, script, flags, ["--pipeline-schedule", "rrfp"], tmp_path, nproc=2,
+                       timeout=LAUNCH_TIMEOUT_S, check=False)
+        assert run["returncode"] != 0 and "error: --pipeline-schedule rrfp does not support " \
+            "--pipeline-model-parallel-layout 'E|tt|t|tL'" in run["log"], run["log"][-6000:]
+        assert "> initializing torch distributed" not in run["log"], run["log"][-6000:]
+        return
     runs = {schedule: pretrain(tree, script, flags, ["--pipeline-schedule", schedule], tmp_path,
-                               nproc=2 if vlm else 4, timeout=LAUNCH_TIMEOUT_S,
+                               nproc=2 if case in TWO_RANKS else 4, timeout=LAUNCH_TIMEOUT_S,
                                tensorboard=tmp_path / schedule if grad_norms else None)
             for schedule in ("rrfp", "1f1b")}
     rrfp, reference = runs["rrfp"], runs["1f1b"]
@@ -90,3 +109,17 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
         for iteration, value in reference[metric].items():
             assert rrfp[metric][iteration] == pytest.approx(value, rel=1e-5), (metric, iteration, rrfp[metric],
                                                                               reference[metric])
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_full_iteration_cuda_graph_is_refused_before_any_rank_starts_work(tree, tmp_path):
+    """FullCudaGraphWrapper around rrfp: each rank's parser exits with the one line, before
+    Megatron-LM initializes torch.distributed (flags.check_cuda_graphs)."""
+    spelling = (["--cuda-graph-impl", "full_iteration"] if release(str(tree)) >= (0, 19) else
+                ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"])
+    run = pretrain(tree, "pretrain_gpt.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "2", *spelling],
+                   ["--pipeline-schedule", "rrfp"], tmp_path, nproc=2, timeout=LAUNCH_TIMEOUT_S, check=False)
+    line = (f"error: --pipeline-schedule rrfp does not support {' '.join(spelling)}: "
+            "Megatron-LM wraps the schedule in FullCudaGraphWrapper")
+    assert run["returncode"] != 0 and line in run["log"], run["log"][-6000:]
+    assert "> initializing torch distributed" not in run["log"] and not run["loss"], run["log"][-6000:]

@@ -187,10 +187,10 @@ def test_rrfp_alone_puts_its_breakdown_in_megatrons_tensorboard_timers(training,
 
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
 
-    enable_cpu_reference_schedules()  # megatron-core's Timers gather on current_device()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    enable_cpu_reference_schedules()  # megatron-core's Timers gather on current_device(); CPU: a gloo group
     timers = Timers(0, "minmax")
     hooks = _hooks(training, FakeSchedule(), HookOptions(), timers)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert _run(training, _args(save_interval=0)) == 4
         writer = SummaryWriter(str(tmp_path / "tb"))
@@ -466,12 +466,22 @@ def test_paged_stash_is_refused_under_rrfp(flag, value, reason):
     assert validate_rrfp_arguments(_rrfp_args(schedule="1f1b", **{flag: value})) is None
 
 
-def test_uneven_pipeline_layout_is_accepted():
+def test_uneven_pipeline_layout_is_accepted_and_interleaved_only_where_verified():
     """--pipeline-model-parallel-layout: the executor runs the chunks Megatron builds, whatever their
-    layer counts (Megatron-LM's pretrain_gpt.py, 1 and 3 layers: test_megatron_lm_e2e.py)."""
+    layer counts (Megatron-LM's pretrain_gpt.py, 1 and 3 layers: test_megatron_lm_e2e.py); more
+    stages than ranks only on the megatron-core releases where its losses were checked."""
+    from megatron_rrfp.mcore.compat import interleaved_layout_unverified
     from megatron_rrfp.megatron_lm.flags import validate_rrfp_arguments
 
     assert validate_rrfp_arguments(_rrfp_args(pipeline_model_parallel_layout="Et|tttL")) is not None
+    interleaved = _rrfp_args(pipeline_model_parallel_layout="E|tt|t|tL")
+    if not interleaved_layout_unverified():
+        assert validate_rrfp_arguments(interleaved) is not None
+        return
+    with pytest.raises(ValueError, match=r"^--pipeline-schedule rrfp does not support --pipeline-model-parallel-"
+                                         r"layout 'E\|tt\|t\|tL' \(4 stages on 2 pipeline ranks\): .*1f1b$"):
+        validate_rrfp_arguments(interleaved)
+    assert validate_rrfp_arguments(_rrfp_args(schedule="1f1b", pipeline_model_parallel_layout="E|tt|t|tL")) is None
 
 
 REAL_PARSER_REFUSALS = [  # Megatron-LM 0.19's own spellings, through its own parser

@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from ..checks import BUFFER_LIMIT, TIMEOUT_S
+from ..mcore.compat import interleaved_layout_unverified
 from ..mcore.config import DEFAULT_TIMEOUT_S, RRFPConfig, collective_timeout_floor_s
 from ..mcore.dp_overlap import DP_OVERLAP_CHOICES
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
@@ -144,6 +145,7 @@ def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:
     pp = getattr(args, "pipeline_model_parallel_size", None)
     if not isinstance(pp, int) or pp >= 2:  # at PP=1 Megatron's own schedule runs: its CUDA graphs work
         check_cuda_graphs(args)
+        check_layout(args, pp)
     if isinstance(pp, int) and pp >= 2:  # at PP=1 Megatron runs no pipeline schedule: the hint is unused
         try:
             config.arbiter.parsed_hint.orders(Topology(pp), 1)  # an explicit list must have one order per stage
@@ -199,6 +201,26 @@ def check_cuda_graphs(args) -> None:
     if impl in CUDA_GRAPH_REASONS:
         raise ValueError(f"--pipeline-schedule rrfp does not support {given}: {CUDA_GRAPH_REASONS[impl]}; "
                          "drop it (--cuda-graph-impl none) or use --pipeline-schedule 1f1b")
+
+
+def check_layout(args, pp) -> None:
+    """--pipeline-model-parallel-layout: the executor runs the chunks Megatron builds, whatever their
+    layer counts; a layout with more stages than ranks (interleaved) only where that is verified
+    (``compat.interleaved_layout_unverified``). A malformed layout is left to Megatron-LM's check."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    why = interleaved_layout_unverified()
+    if not isinstance(layout, str) or not why or not isinstance(pp, int):
+        return
+    try:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+    except Exception:  # Megatron-LM's validate_args reports a malformed layout in its own words
+        return
+    if stages > pp:
+        raise ValueError(f"--pipeline-schedule rrfp does not support --pipeline-model-parallel-layout {layout!r} "
+                         f"({stages} stages on {pp} pipeline ranks): {why}; give one stage per rank, upgrade "
+                         "megatron-core, or use --pipeline-schedule 1f1b")
 
 
 def _rrfp_flags_set(args: argparse.Namespace) -> bool:

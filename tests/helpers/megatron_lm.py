@@ -62,11 +62,14 @@ def tensorboard_scalars(directory: Path, tag: str) -> dict[int, float]:
 
 
 def pretrain(tree: Path, script: str, flags: list[str], schedule: list[str], cwd: Path, *, nproc: int = 4,
-             python: str = sys.executable, timeout: float = 900, tensorboard: Optional[Path] = None) -> dict:
-    """Launch ``tree/script`` on CPU; {"loss": {iteration: lm loss}, "grad_norm": {...}, "log": text}.
+             python: str = sys.executable, timeout: float = 900, tensorboard: Optional[Path] = None,
+             check: bool = True) -> dict:
+    """Launch ``tree/script`` on CPU; {"loss": {iteration: lm loss}, "grad_norm": {...}, "log": text,
+    "returncode": int}.
 
     Losses come from stdout (rank 0 of the last stage prints them to 7 digits); with
     ``tensorboard`` the grad norms (and full-precision losses) come from the event file.
+    ``check=False``: a failed launch returns its log and exit code instead of failing the caller.
     """
     bin_dir = os.path.dirname(python)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
@@ -79,9 +82,11 @@ def pretrain(tree: Path, script: str, flags: list[str], schedule: list[str], cwd
                "-m", "megatron_rrfp.launch", "--cpu", str(tree / script), *COMMON, *flags, *extra, *schedule]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     log = result.stdout + result.stderr
+    if not check and result.returncode != 0:
+        return {"loss": {}, "grad_norm": {}, "log": log, "returncode": result.returncode}
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     losses = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(result.stdout)}
     grad_norms = tensorboard_scalars(tensorboard, "grad-norm") if tensorboard is not None else {}
     if "rrfp" in schedule:
         assert "megatron-rrfp: pipeline schedule rrfp" in log, log[-6000:]
-    return {"loss": losses, "grad_norm": grad_norms, "log": log}
+    return {"loss": losses, "grad_norm": grad_norms, "log": log, "returncode": result.returncode}
