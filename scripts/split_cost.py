@@ -10,7 +10,7 @@ said in the first line; ``cuda`` refuses without one). Per microbatch, the devic
 
   F, B      megatron-core's forward and backward_step (weight gradients in B), as Megatron's
             1F1B runs them; before rrfp's split is installed
-  F'        the forward once ``mcore.wgrad.install`` has prepared the linears
+  F'        the forward once ``split.megatron_linear.install`` has prepared the linears
   B'        the same backward under ``WeightGradStore.deferring``: input gradients only
   W         ``WeightGradStore.run``: the stashed weight gradients
 
@@ -74,7 +74,8 @@ def measure(args, heads: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_rrfp.mcore import compat, wgrad
+    from megatron_rrfp.mcore import compat
+    from megatron_rrfp.split import megatron_linear as wgrad
     from megatron_rrfp.train import models
 
     cuda = args.cuda

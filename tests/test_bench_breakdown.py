@@ -67,7 +67,7 @@ def test_the_table_names_the_cost_that_explains_a_gap():
 
 
 def test_interleaved_runs_alternate_the_schedules():
-    from megatron_rrfp.bench.run import run_order
+    from megatron_rrfp.bench.rank import run_order
 
     assert [(r, i) for r, i in run_order(["a", "b"], 2, True)] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert [(r, i) for r, i in run_order(["a", "b"], 2, False)] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]

@@ -211,8 +211,9 @@ def test_the_unsplit_fallback_line_names_the_release_when_it_is_the_cause(monkey
     layers are the reason (here: no megatron-core linear at all)."""
     import torch
 
-    from megatron_rrfp.mcore import stage_work, wgrad
+    from megatron_rrfp.mcore import stage_work
     from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     failed = "megatron-core 0.0: the B/W split self-check failed: its split backward raised RuntimeError: x"
     monkeypatch.setattr(wgrad, "_SELF_CHECK", [failed if release_broken else ""])

@@ -74,15 +74,17 @@ def test_no_import_cycles():
 
 
 def test_layers_only_import_downwards():
-    """policy <- sim <- runtime <- mcore <- megatron_lm: the policy never imports its
-    simulator, the runtime never imports benchmarks or Megatron-LM."""
+    """policy <- sim <- runtime <- split / mcore <- megatron_lm: the policy never imports its
+    simulator, the runtime never imports benchmarks or Megatron-LM, the B/W split (split/)
+    only megatron-core's adapter (mcore.compat) of the mcore layer."""
     forbidden = {
-        "megatron_rrfp.policy": ("sim", "runtime", "mcore", "megatron_lm", "bench", "train", "goodput", "trace",
-                                 "verify"),
-        "megatron_rrfp.sim": ("runtime", "mcore", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.runtime": ("sim", "mcore", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.policy": ("sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train", "goodput",
+                                 "trace", "verify"),
+        "megatron_rrfp.sim": ("runtime", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.runtime": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "verify"),
+        "megatron_rrfp.split": ("sim", "runtime", "megatron_lm", "bench", "train", "goodput", "verify"),
         "megatron_rrfp.mcore": ("sim", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.goodput": ("sim", "mcore", "megatron_lm", "bench", "train", "verify"),
+        "megatron_rrfp.goodput": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "verify"),
         "megatron_rrfp.bench": ("verify",),  # benchmarks measure; verification tools check
     }
     for module, targets in _graph().items():
@@ -90,6 +92,9 @@ def test_layers_only_import_downwards():
             if module == layer or module.startswith(layer + "."):
                 bad = [t for t in targets if any(t.startswith(f"megatron_rrfp.{b}") for b in banned)]
                 assert not bad, f"{module} imports {bad}"
+        if module.startswith("megatron_rrfp.split"):
+            of_mcore = {t for t in targets if t.startswith("megatron_rrfp.mcore")}
+            assert of_mcore <= {"megatron_rrfp.mcore.compat", "megatron_rrfp.mcore"}, f"{module} imports {of_mcore}"
 
 
 def test_the_cpu_shim_sits_below_the_schedule():
@@ -126,7 +131,7 @@ def test_test_code_and_research_drivers_live_outside_the_package():
     runnable = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                 if '__name__ == "__main__"' in p.read_text(encoding="utf-8")}
     assert runnable <= {"cli.py", "launch.py", "megatron_lm/launch.py", "train/driver.py", "train/data.py",
-                        "bench/run.py"}, runnable
+                        "bench/rank.py"}, runnable
 
 
 def test_modules_stay_small():

@@ -36,7 +36,7 @@ def test_default_holds_megatrons_bytes_tp2_pp2(sequence_parallel):
 
 @pytest.mark.timeout(400)
 def test_default_holds_megatrons_bytes_te_standin_sp_tp2_pp2():
-    """Transformer Engine's own deferral (the TE stand-in, wgrad_te.py) under sequence parallelism."""
+    """Transformer Engine's own deferral (the TE stand-in, split/te.py) under sequence parallelism."""
     results = launch(bytes_and_gradients, world_size=4, tp=2, pp=2, timeout=360,
                      kwargs=dict(sequence_parallel=True, microbatches=8, calls=3, te=True, jitter_s=0.003))
     _check(results)

@@ -1,4 +1,4 @@
-"""B/W split of megatron-core linears (megatron_rrfp.mcore.wgrad) against the unsplit backward.
+"""B/W split of megatron-core linears (megatron_rrfp.split.megatron_linear) against the unsplit backward.
 
     python -m pytest tests/test_wgrad.py -q -s       # ~1 min on 2 cores; -s prints memory
 
@@ -126,12 +126,12 @@ def _split(kind, ddp, pre_process):
     B and W inside no_sync (wgrad's contract), then finish_grad_sync."""
     import contextlib
 
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     stage, model, batches, inputs = _build(kind, ddp, pre_process=pre_process)
     wgrad.install([model])
     wgrad.install([model])  # idempotent
-    from megatron_rrfp.mcore.wgrad_coverage import coverage
+    from megatron_rrfp.split.coverage import coverage
 
     report = coverage([model])
     prefix = "model[0].module." if ddp else "model[0]."
@@ -180,7 +180,7 @@ def _watch_ddp_adds_in_b(stage, deferred) -> list:
     after the split's own runs after it, just before DDP's hook."""
     import torch
 
-    from megatron_rrfp.mcore import wgrad_store
+    from megatron_rrfp.split import store as wgrad_store
 
     adds = []
     for name, param in stage.named_parameters():
@@ -227,7 +227,7 @@ def store_contract() -> dict:
     import torch
 
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     enable_cpu_reference_schedules()
     stage, model, batches, _ = _build("mlp", "", pre_process=True)
@@ -275,7 +275,7 @@ def store_contract() -> dict:
 
 def _ddp_refusals() -> dict:
     """overlap_grad_reduce DDP: B or W with sync enabled is refused; main_grad without DDP too."""
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     out = {}
     stage, model, batches, _ = _build("mlp", "overlap", pre_process=True)
@@ -311,7 +311,7 @@ def _ddp_refusals() -> dict:
 def sequence_parallel_installs() -> list[str]:
     """Sequence parallelism is no longer a blocker (W re-gathers the saved local input); the
     split's equivalence under SP is tests/test_executor.py's TP2xPP2 case."""
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
     from megatron_rrfp.train import models
 
     config = models.tiny_gpt_config(sequence_parallel=True)
@@ -328,7 +328,7 @@ def sequence_parallel_w_regathers() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.tensor_parallel import layers as mlayers
 
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
     from megatron_rrfp.train import models
 
     gathers = {"n": 0}
@@ -404,10 +404,10 @@ def split_fallback_suite() -> dict:
     import torch.distributed as dist
 
     from helpers import equivalence
-    from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp
     from megatron_rrfp.mcore.session import shutdown
+    from megatron_rrfp.split import megatron_linear as wgrad
     from megatron_rrfp.train import models
 
     _break_split_contract()
@@ -506,9 +506,9 @@ def test_default_policy_splits_the_backward_only_where_every_stage_can():
     left as given."""
     import torch
 
-    from megatron_rrfp.mcore import wgrad
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.stage_work import with_split_capability
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     plain = [torch.nn.Sequential(torch.nn.Linear(4, 4))]
     assert any("no trainable megatron-core" in b for b in wgrad.deferral_blockers(plain))

@@ -1,4 +1,4 @@
-"""Transformer Engine's own B/W split driven by rrfp's W (megatron_rrfp.mcore.wgrad_te).
+"""Transformer Engine's own B/W split driven by rrfp's W (megatron_rrfp.split.te).
 
     python -m pytest tests/test_wgrad_te.py -q
 
@@ -66,7 +66,7 @@ def _run(ddp: str, fused: bool, split: bool, *, iterations: int = 2, bias: str =
     import contextlib
 
     from helpers import te_standin
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     stage, model = _stage(ddp, fused=fused, bias=bias, experts=experts)
     facts = {}
@@ -158,7 +158,7 @@ BIAS_CASES = (  # (ddp, fused, fp8): a bias in the GEMM (te1) and a returned one
 def te_split_suite() -> dict:
     from helpers import te_standin
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     enable_cpu_reference_schedules()
 
@@ -204,7 +204,7 @@ LATEST = "2.20"
 
 
 def _fifo_and_failed_b() -> dict:
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     results = {}
     # Out-of-order W: refused before any gradient changes, then the right order works.
@@ -247,7 +247,7 @@ def ub_aliasing_breaks_the_split() -> float:
     import torch
 
     from helpers import te_standin
-    from megatron_rrfp.mcore import wgrad_te
+    from megatron_rrfp.split import te as wgrad_te
 
     results = []
     for split in (False, True):
@@ -274,7 +274,7 @@ def ub_aliasing_breaks_the_split() -> float:
 
 def missing_attribute_blocker() -> list[str]:
     from helpers.te_standin import Linear as StandInTELinear
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     class OldStore:  # a store without the run-time switch (older TE)
         def delay_wgrad_compute(self):
@@ -377,7 +377,7 @@ def _te_sequence_parallel() -> dict:
     from megatron.core import parallel_state
 
     from helpers import te_standin
-    from megatron_rrfp.mcore import wgrad
+    from megatron_rrfp.split import megatron_linear as wgrad
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp = torch.distributed.get_world_size(group)

@@ -205,7 +205,7 @@ class DeviceTimeEmulator:
         key = (task.microbatch, task.chunk)
         if task.kind is Kind.W:
             return key not in self._unsplit
-        from ..mcore import wgrad_store
+        from ..split import store as wgrad_store
 
         if wgrad_store._active is None:
             self._unsplit.add(key)

@@ -98,7 +98,7 @@ class ScheduleCall:
     in_bytes: byte_limit.CallBytes
     arbiter: Arbiter
     meter: ActivationMeter
-    wgrad_store: Any  # mcore/wgrad_store.py's WeightGradStore when this call splits backwards, else None
+    wgrad_store: Any  # split/store.py's WeightGradStore when this call splits backwards, else None
     agreement: Optional[TPAgreement]
     grad_sync: Optional[GradSyncController] = None
     work: Optional[MegatronStageWork] = None

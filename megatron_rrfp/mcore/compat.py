@@ -136,7 +136,7 @@ def mlp_submodules(mlp_spec):
 def start_unissued_grad_syncs(models) -> None:
     """overlap_grad_reduce DDP on megatron-core 0.15: launch the reductions no hook launched.
 
-    With the B/W split every B and W runs under no_sync (mcore/wgrad.py), so no parameter is
+    With the B/W split every B and W runs under no_sync (split/megatron_linear.py), so no parameter is
     ever counted ready. 0.16+'s finish_grad_sync then starts the reduction itself (a bucket
     group with no readiness counted stays in its ``is_first_batch`` mode); 0.15's has no such
     mode and asserts that a hook launched it. Starting it here is what 0.16+ does. Groups a

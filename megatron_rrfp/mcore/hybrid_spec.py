@@ -11,7 +11,7 @@ as ``TENorm`` whatever the spec says, so a HybridModel cannot run without TE (e.
   final norm        the local spec's norm (``LocalNormHybridStack``)
 
 Their linears are megatron-core's ColumnParallelLinear / RowParallelLinear, which the
-default policy's B/W split covers (mcore/wgrad.py). ``M`` (Mamba), ``G`` (GDN), ``D``/``+``
+default policy's B/W split covers (split/megatron_linear.py). ``M`` (Mamba), ``G`` (GDN), ``D``/``+``
 (MLA variants) keep the stock TE modules: they need CUDA kernels anyway, and their
 gradients are all computed in B. No MTP block (``/`` in a pattern is refused by HybridModel).
 

@@ -139,7 +139,7 @@ def weight_grad_store(models, memory=None, *, hint: str = ""):
     Called before the iteration's first task; where the split is impossible (``wgrad.install``
     refuses: its self-check, or a layer it cannot defer) it raises a NotImplementedError that
     names the ``hint`` asking for the split — the same on every rank, before any work."""
-    from . import wgrad
+    from ..split import megatron_linear as wgrad
 
     try:
         wgrad.install(models)
@@ -166,7 +166,7 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
     if arbiter.parsed_hint.name != "default" or not arbiter.split_backward_ok:
         return options
     if models[0] not in _SPLIT_BLOCKERS:
-        from . import wgrad
+        from ..split import megatron_linear as wgrad
 
         blockers = wgrad.deferral_blockers(models)
         if blockers:
@@ -183,7 +183,7 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
 def attach_split_readiness(work: MegatronStageWork, *, overlap_allowed: bool) -> None:
     """Overlapped DP reductions for a split backward (grad_sync.SplitReadiness), where
     ``dp_overlap`` allows them inside the task loop."""
-    from . import wgrad
+    from ..split import megatron_linear as wgrad
 
     work.split_readiness = work.grad_sync.split_readiness(wgrad.deferred_parameters(work.models),
                                                           overlap_allowed=overlap_allowed)

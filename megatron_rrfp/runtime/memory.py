@@ -25,7 +25,7 @@ each tensor storage counted once however many holders it has:
   holder whose destruction is the release, so nothing lives longer than it would have;
 * what a schedule holds explicitly through ``hold`` / ``release``: received activations
   and gradients waiting in RRFP's executor, inputs and output gradients a split
-  backward keeps for its deferred W (``mcore/wgrad.py``).
+  backward keeps for its deferred W (``split/megatron_linear.py``).
 
 Storages of ``persistent`` tensors (parameters, buffers) are never counted: they are not
 activations and outlive the iteration. Not counted either, in every schedule alike: a

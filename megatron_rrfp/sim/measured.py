@@ -31,7 +31,6 @@ from typing import Optional
 import numpy as np
 
 from ..policy.topology import Topology
-from .variability import Realization, Variability, sample_realization
 
 FORMAT = "megatron-rrfp-task-times"
 KINDS = ("F", "B", "I", "W")
@@ -141,19 +140,21 @@ def _stage_times(path: str, where: str, record) -> StageTimes:
     return StageTimes(times=times, covariate=covariate, values=values, shared=shared)
 
 
-def check_variability(v: Variability) -> None:
-    """``v.task_times`` readable and not combined with a knob the file replaces (ValueError)."""
+def check_variability(v, default) -> None:
+    """``v.task_times`` readable and not combined with a knob the file replaces (ValueError);
+    ``v`` a ``Variability``, ``default`` its default instance (this module does not import it:
+    ``variability.py`` calls here)."""
     if v.task_times is None:
         raise ValueError(f"--task-times-workload {v.task_times_workload} needs --task-times FILE")
     load_task_times(v.task_times, v.task_times_workload)
-    default = Variability()
     clashes = [flag for name, flag in REPLACED.items() if getattr(v, name) != getattr(default, name)]
     if clashes:
         raise ValueError(f"--task-times replaces the compute model: drop {', '.join(clashes)}")
 
 
-def measured_realization(v: Variability, topology: Topology, num_microbatches: int, seed: int) -> Realization:
-    """One seed's durations drawn from the measured times (see the module docstring), in units of f0."""
+def measured_tables(v, topology: Topology, num_microbatches: int, seed: int) -> dict[str, np.ndarray]:
+    """One seed's F / B / I / W durations [stage, chunk, microbatch] drawn from the measured times
+    of ``v.task_times`` (see the module docstring), in units of f0; ``v`` a ``Variability``."""
     times = load_task_times(v.task_times, v.task_times_workload)
     pp, chunks, m = topology.num_stages, topology.num_chunks, num_microbatches
     rng = np.random.default_rng([seed, 2])
@@ -168,11 +169,7 @@ def measured_realization(v: Variability, topology: Topology, num_microbatches: i
         factor = v.straggler_factor if s == v.straggler_stage else 1.0
         for kind in KINDS:
             tables[kind][s] = role.times[kind][index] * scale * factor
-    # message latencies as the model draws them (no compute knobs: those are refused above)
-    messages = sample_realization(Variability(f0=v.f0, c50=v.c50, sigma_msg=v.sigma_msg), topology, m, seed)
-    return Realization(tables["F"].tolist(), tables["B"].tolist(), messages.activation_latency,
-                       messages.gradient_latency, backward_input=tables["I"].tolist(),
-                       weight=tables["W"].tolist())
+    return tables
 
 
 def spread(values) -> float:
@@ -199,4 +196,4 @@ def describe(times: TaskTimes) -> str:
 
 
 __all__ = ["FORMAT", "KINDS", "StageTimes", "TaskTimes", "check_variability", "describe", "load_task_times",
-           "measured_realization", "spread"]
+           "measured_tables", "spread"]

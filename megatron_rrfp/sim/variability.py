@@ -104,7 +104,7 @@ class Variability:
         if self.task_times is not None or self.task_times_workload is not None:
             from .measured import check_variability
 
-            check_variability(self)
+            check_variability(self, Variability())
 
     def check_layout(self, num_stages: int) -> None:
         """The fields that depend on the pipeline: ValueError naming the flag."""
@@ -213,9 +213,14 @@ def sample_realization(variability: Variability, topology: Topology, num_microba
                        seed: int) -> Realization:
     v, pp, chunks, m = variability, topology.num_stages, topology.num_chunks, num_microbatches
     if v.task_times is not None:  # measured durations instead of the model below
-        from .measured import measured_realization
+        from .measured import measured_tables
 
-        return measured_realization(v, topology, m, seed)
+        tables = measured_tables(v, topology, m, seed)
+        # message latencies as the model draws them (no compute knobs: check_variability refused those)
+        messages = sample_realization(Variability(f0=v.f0, c50=v.c50, sigma_msg=v.sigma_msg), topology, m, seed)
+        return Realization(tables["F"].tolist(), tables["B"].tolist(), messages.activation_latency,
+                           messages.gradient_latency, backward_input=tables["I"].tolist(),
+                           weight=tables["W"].tolist())
     rng = np.random.default_rng(seed)
     shape = (pp, chunks, m)
     per_chunk = v.f0 / chunks

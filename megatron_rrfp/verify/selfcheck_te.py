@@ -67,7 +67,7 @@ def _compare(wrap, *, overlap: bool, microbatches: int = 3, first: bool = False,
     all B; the out-of-order W's error text)."""
     import torch
 
-    from ..mcore import wgrad
+    from ..split import megatron_linear as wgrad
 
     te = _te()
     xs = [torch.randn(32, 4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
@@ -123,7 +123,7 @@ def _skip(step: str, why: str):
 
 
 def _split_reason(te) -> str:
-    from ..mcore.wgrad_te import te_split_reason
+    from ..split.te import te_split_reason
 
     return te_split_reason(te.Linear(64, 64, bias=False))
 

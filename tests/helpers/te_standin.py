@@ -1,4 +1,4 @@
-"""A CPU stand-in for Transformer Engine's Linear and GroupedLinear, for the tests of mcore/wgrad_te.py.
+"""A CPU stand-in for Transformer Engine's Linear and GroupedLinear, for the tests of split/te.py.
 
 TE needs CUDA, so the CPU tests cannot run it. This module follows TE's SOURCE (read from
 the NVIDIA/TransformerEngine tags v2.3 ... v2.18, release_v2.19 and main = 2.20.0.dev0;

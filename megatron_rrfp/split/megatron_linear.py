@@ -21,7 +21,7 @@ What stays in B (computed by autograd during the backward, exactly as before): b
 embeddings, any parameter of other modules (``wgrad_coverage.coverage(models)`` lists both).
 A weight tied to an embedding (shared output layer) has its output-layer part deferred.
 
-How (B wraps megatron-core, it does not re-implement it): ``wgrad_capture.py``.
+How (B wraps megatron-core, it does not re-implement it): ``capture.py``.
 
 Exactness: ``run(key)`` runs the intercepted GEMM (or fused call) on the same tensors,
 under the forward's autocast state, and accumulates it where the unsplit backward would
@@ -54,7 +54,7 @@ MoE: SequentialMLP experts are megatron-core linears and split like any other (t
 no collective: the all-to-alls stay in F and B).
 
 Transformer Engine modules (``models`` given to the store): their own deferral, driven
-from ``deferring`` / ``run`` (``wgrad_te.py``).
+from ``deferring`` / ``run`` (``te.py``).
 
 Sequence parallelism: a column-parallel linear's B keeps only the local input autograd saved
 (the store and the memory meter count it, as for any linear), and W all-gathers it over the
@@ -85,11 +85,11 @@ import weakref
 import torch
 from megatron.core.tensor_parallel import layers as _layers
 
-from . import wgrad_store as _store
-from .compat import MEGATRON_CORE_VERSION
-from .wgrad_capture import PREPARE as _PREPARE
-from .wgrad_capture import megatron_backward_intercepted as _megatron_backward_intercepted
-from .wgrad_store import (
+from ..mcore.compat import MEGATRON_CORE_VERSION
+from . import store as _store
+from .capture import PREPARE as _PREPARE
+from .capture import megatron_backward_intercepted as _megatron_backward_intercepted
+from .store import (
     _DDP_OF,
     _NAMES,
     WeightGradStore,
@@ -101,7 +101,7 @@ from .wgrad_store import (
     _Work,
     register_b_placeholder,
 )
-from .wgrad_te import is_te_module
+from .te import is_te_module
 
 __all__ = ["WeightGradStore", "deferral_blockers", "deferred_parameters", "install", "split_self_check"]
 

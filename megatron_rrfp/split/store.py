@@ -1,10 +1,10 @@
 """The store of the B/W split: deferred weight-gradient work per (microbatch, chunk), and W.
 
-``WeightGradStore.deferring(key)`` is active over B (``wgrad.py``'s autograd function stashes
+``WeightGradStore.deferring(key)`` is active over B (``megatron_linear.py``'s autograd function stashes
 each linear's work here); ``run(key)`` is W: it replays the recorded GEMM (or fused kernel)
 and accumulates where the unsplit backward would have. Also here: which modules can join
 the split (``_unsupported_reason``) and which megatron DDP owns each parameter, since W
-needs both. The mechanism and its DDP contract are described in ``wgrad.py``.
+needs both. The mechanism and its DDP contract are described in ``megatron_linear.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from megatron.core.tensor_parallel import layers as _layers
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .wgrad_te import TeSplit, is_te_module, te_split_reason
+from .te import TeSplit, is_te_module, te_split_reason
 
 __all__ = ["Key", "WeightGradStore"]
 

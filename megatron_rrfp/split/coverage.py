@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .wgrad import deferred_parameters
+from .megatron_linear import deferred_parameters
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
