@@ -379,8 +379,8 @@ def part_suite(ctx: Context, part: Part) -> None:
     else:
         selection = ["tests", "-m", "not cuda"]
         if shutil.which("slurmctld") is None:  # its fixture installs SLURM with apt-get: a network
-            selection += ["--ignore", "tests/test_slurm.py"]
-            part.figures["left_out"] = ("tests/test_slurm.py: no slurmctld here, and the test installs SLURM "
+            selection += ["--ignore", "tests/e2e/test_slurm.py"]
+            part.figures["left_out"] = ("tests/e2e/test_slurm.py: no slurmctld here, and the test installs SLURM "
                                         "with apt-get, which needs a network")
     part.figures["workers"] = workers
     pytest_part(ctx, part, ["-n", str(workers), *(["--dist", "loadfile"] if workers else []), *selection])

@@ -30,16 +30,16 @@ MINORS = ("0.15", "0.16", "0.17", "0.18", "0.19")
 PYTHON_OF = {"0.15": "3.11", "0.16": "3.11", "0.17": "3.12", "0.18": "3.12", "0.19": "3.12"}
 DEFAULT_PYTHONS = {"3.11": "/work/venv311/bin/python", "3.12": "/work/venv312/bin/python"}
 GROUPS = {  # name: test ids (what depends on megatron-core's version)
-    "equivalence": ["tests/test_executor.py::test_pp4_gpt_and_mlp",
-                    "tests/test_executor.py::test_tp2_pp2_with_one_tp_rank_seeing_messages_late"],
-    "interleaved": ["tests/test_interleaved.py::test_interleaved_chunks_match_megatron[pp2-gpt-2chunks]"],
-    "wgrad": ["tests/test_wgrad.py"],
-    "hookpoints": ["tests/test_integration.py::test_routing_pp2_returns_rrfp_and_1f1b_or_uninstall_restore",
-                   "tests/test_integration.py::test_schedule_pg_collection_keyword_of_0_19_decides_the_pipeline_size",
-                   "tests/test_integration.py::test_real_megatron_training_binds_the_routed_lookup",
-                   "tests/test_megatron_lm_hooks.py::test_real_megatron_training_calls_the_wrapped_names_through_"
+    "equivalence": ["tests/distributed/test_executor.py::test_pp4_gpt_and_mlp",
+                    "tests/distributed/test_executor.py::test_tp2_pp2_with_one_tp_rank_seeing_messages_late"],
+    "interleaved": ["tests/distributed/test_interleaved.py::test_interleaved_chunks_match_megatron[pp2-gpt-2chunks]"],
+    "wgrad": ["tests/distributed/test_wgrad.py"],
+    "hookpoints": ["tests/e2e/test_integration.py::test_routing_pp2_returns_rrfp_and_1f1b_or_uninstall_restore",
+                   "tests/e2e/test_integration.py::test_schedule_pg_collection_keyword_of_0_19_decides_the_pipeline_size",
+                   "tests/e2e/test_integration.py::test_real_megatron_training_binds_the_routed_lookup",
+                   "tests/unit/test_megatron_lm_hooks.py::test_real_megatron_training_calls_the_wrapped_names_through_"
                    "module_globals"],
-    "hybrid": ["tests/test_hybrid.py"],
+    "hybrid": ["tests/distributed/test_hybrid.py"],
 }
 
 

@@ -23,7 +23,7 @@ microbatch group (of PP) first, then chunk (forward: lower first; backward: high
 then microbatch. Ranking by chunk alone (breadth-first, the paper's literal rule) filled
 an interleaved stage's memory with chunk-0 activations and fell far behind Megatron's
 interleaved schedule at 1x; read by group it is never behind it without jitter
-(tests/test_policy.py). ``gpipe`` below room for all M x C forwards is refused
+(tests/unit/test_policy.py). ``gpipe`` below room for all M x C forwards is refused
 (``Hint.check_memory``): forward-first under a memory cap loses to Megatron everywhere.
 
 Readiness-first on an ordered hint is *bounded* (``lookahead``, default one entry per
@@ -237,7 +237,7 @@ class DefaultHint(Hint):
     Otherwise, without chunks, Megatron's 1F1B order waiting for late forwards at 1x and BF
     (the paper's) from 1.25x; Megatron's own interleaved order with chunks
     (``bf`` from 1.5x with 2 chunks, from 2x with 3+). Without jitter it is never slower than the order it
-    reads strictly (tests/test_policy.py sweeps it)."""
+    reads strictly (tests/unit/test_policy.py sweeps it)."""
 
     name = "default"
 

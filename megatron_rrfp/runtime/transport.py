@@ -32,7 +32,7 @@ all GPUs' issue orders is acyclic (on a line every chain of "waits for its partn
 is behind X" runs in one direction and ends at a pipeline end; the interleaved ring's
 closing pair is led by stage 0, which never has a ring round and a line round in flight
 together), so the earliest unfinished operation in that order can
-always run. ``rounds.py`` gives the details; ``tests/test_transport_emulated.py`` checks
+always run. ``rounds.py`` gives the details; ``tests/unit/test_transport_emulated.py`` checks
 it against a single-queue device emulation, where the old early-receive protocol hangs.
 
 Usage of ``StageTransport`` (all ranks)::

@@ -16,7 +16,7 @@ B (``deferring``), notes which modules queued work under that key, and in W call
 
 * Order: TE's queue is FIFO per module, so W of a key must be the oldest queued entry of
   every module it touches. The policy runs W in B order per chunk
-  (tests/test_policy.py checks it over the dry run, every hint); ``run`` checks it again and
+  (tests/unit/test_policy.py checks it over the dry run, every hint); ``run`` checks it again and
   refuses an out-of-order W before touching any gradient.
 * Accumulation: TE's backward_dw *assigns* ``weight.grad``. Under megatron DDP that is what
   it expects (its hook moves grad into main_grad and clears it); without DDP, W adds the

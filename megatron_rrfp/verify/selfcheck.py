@@ -267,7 +267,7 @@ def stress(ctx, *, device, iterations: int = 20) -> str:
 
     Every value the TP ranks of a stage must agree on (hint, chunks, buffer limit) comes from
     a generator seeded without the rank; kernel and host delays come from one seeded with it.
-    Device-agnostic: on CPU it runs the same rounds protocol over gloo (tests/test_gpu.py)."""
+    Device-agnostic: on CPU it runs the same rounds protocol over gloo (tests/distributed/test_gpu.py)."""
     import torch
     import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""``1x`` in bytes on real megatron-core GPT stages (tests/test_memory_bytes.py): Megatron's
+"""``1x`` in bytes on real megatron-core GPT stages (tests/distributed/test_memory_bytes.py): Megatron's
 own 1F1B, measured from outside, beside RRFP's default over several calls (the first runs
 before any measurement, the later ones with the calibrated byte budget), and the gradients
 of each against Megatron's."""

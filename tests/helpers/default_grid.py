@@ -1,6 +1,6 @@
 """Is ``default`` the best shipped policy? One grid cell: every named hint and ``default`` on
 the same seeds, medians of makespans (``scripts/sim_default_grid.py`` and
-``scripts/sim_default_seeds.py`` sweep the grid, ``tests/test_policy.py`` checks a subset).
+``scripts/sim_default_seeds.py`` sweep the grid, ``tests/unit/test_policy.py`` checks a subset).
 
 A cell is (PP, chunks, buffer limit, workload, whether the backward can split). ``default``
 is compared with the best *allowed* named hint (``bfw`` and ``zbh1`` need the split; ``gpipe``

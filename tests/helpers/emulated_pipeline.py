@@ -1,5 +1,5 @@
 """The real executor, TP agreement and transport on single-queue stand-in GPUs
-(``tests/helpers/queue_device.py``): test code, run by tests/test_transport_emulated.py and
+(``tests/helpers/queue_device.py``): test code, run by tests/unit/test_transport_emulated.py and
 scripts/emulate_transport.py, never by the package.
 
 ``run_emulated(config)`` runs a whole PP x TP job in one process, a thread per rank: each

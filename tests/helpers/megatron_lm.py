@@ -1,7 +1,7 @@
 """Megatron-LM's unmodified entry scripts through ``python -m megatron_rrfp.launch --cpu``:
 copy a source tree, launch a script with torchrun, read back what it logged.
 
-Shared by tests/test_megatron_lm_e2e.py and scripts/pretrain_vlm_rrfp_matrix.py. A tree is
+Shared by tests/e2e/test_megatron_lm_e2e.py and scripts/pretrain_vlm_rrfp_matrix.py. A tree is
 copied first because Megatron builds its dataset helpers inside it at start-up, with the
 Makefile's ``python3`` / ``python3-config``: the interpreter's bin goes first on PATH and,
 under pyenv, ``PYENV_VERSION`` defaults to this interpreter's version (the trees carry a

@@ -1,5 +1,5 @@
 """Activation memory on real megatron-core stages, measured the same way around Megatron's
-own 1F1B (wrapped from outside) and RRFP (which reports it), for tests/test_memory.py.
+own 1F1B (wrapped from outside) and RRFP (which reports it), for tests/distributed/test_memory.py.
 
 The MLP stage (helpers/mlp.py) keeps a figure one can compute by hand: per forward, each
 block saves its input x [s, b, h], fc1's output (gelu's input) and gelu's output [s, b, f]

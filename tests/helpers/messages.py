@@ -1,4 +1,4 @@
-"""Rank body for tests/test_messages.py: failures, bad messages and new process groups,
+"""Rank body for tests/distributed/test_messages.py: failures, bad messages and new process groups,
 one after the other in the same two processes (PP=2, real transport, real megatron-core
 stage). Each step records what it saw; the test asserts on every rank's record."""
 from __future__ import annotations

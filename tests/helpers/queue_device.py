@@ -16,7 +16,7 @@ waiter (``on_abort`` callbacks) so the ranks' executors raise instead of hanging
 random FIFO latency: the package's ``verify/host_channel.py``, which the self-check's loopback
 step uses too) and ``ThreadCollective`` (``agreement.Collective``) let the shipped
 ``RoundTransport``, ``TPAgreement`` and executor run on it unchanged, one thread per rank.
-Test code (tests/helpers/emulated_pipeline.py, tests/test_transport_emulated.py), never run by
+Test code (tests/helpers/emulated_pipeline.py, tests/unit/test_transport_emulated.py), never run by
 the package.
 """
 from __future__ import annotations

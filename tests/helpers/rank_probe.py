@@ -1,4 +1,4 @@
-"""A rank for tests/test_forked_ranks.py: ``python -m helpers.rank_probe ACTION``.
+"""A rank for tests/distributed/test_forked_ranks.py: ``python -m helpers.rank_probe ACTION``.
 
 Joins the job's process group through the environment it was given (env://, as
 ``train``'s ranks do), prints what it saw as one JSON line, then: ``exit`` leaves with 0,

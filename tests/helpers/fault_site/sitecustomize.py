@@ -1,6 +1,6 @@
 """Test-only fault injection for `megatron-rrfp train` ranks, installed from outside.
 
-tests/test_train_failures.py puts this folder on PYTHONPATH of the job it launches, with
+tests/e2e/test_train_failures.py puts this folder on PYTHONPATH of the job it launches, with
 RRFP_FAULT_KILL_RANK=R and RRFP_FAULT_KILL_AT_ITER=N: rank R then SIGKILLs itself in its
 2nd forward step of iteration N -- mid-pipeline, with no chance to clean up, like a node
 that dies. Python imports ``sitecustomize`` at start-up in every process of the job.

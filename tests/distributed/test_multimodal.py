@@ -17,7 +17,7 @@ TOL = 1e-5
 
 def _check(results: list[list[dict]]) -> None:
     """results[rank][case]: errors within TOL; at least one rank ran a non-1F1B order
-    (the same check as tests/test_executor.py)."""
+    (the same check as tests/distributed/test_executor.py)."""
     for case_results in zip(*results):
         for r in case_results:
             assert r["loss_rel_err"] <= TOL and r["grad_rel_err"] <= TOL, r

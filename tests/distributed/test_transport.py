@@ -1,6 +1,6 @@
 """Tests of megatron_rrfp.runtime.transport over gloo on CPU (spawned ranks; ~1 min on 2 cores).
 
-    pytest tests/test_transport.py -v
+    pytest tests/distributed/test_transport.py -v
 """
 from __future__ import annotations
 

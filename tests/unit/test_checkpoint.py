@@ -1,7 +1,7 @@
 """Per-rank checkpoints (train/checkpoint.py) in one process: a real save and load of a
 model, an Adam optimizer, an LR scheduler and every RNG; what is fsynced before the
 tracker moves; and the clear error for a truncated file and for a planted one (which
-must not run). Multi-rank save / resume is covered by tests/test_train.py."""
+must not run). Multi-rank save / resume is covered by tests/e2e/test_train.py."""
 from __future__ import annotations
 
 import os

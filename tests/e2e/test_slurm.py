@@ -15,17 +15,19 @@ stages over gloo, rrfp) is submitted once and then:
 
 The ledger then holds one job: three sessions, one disruption, every iteration kept once.
 With ``MEGATRON_LM`` (a Megatron-LM tree of the installed megatron-core's minor, as for
-tests/test_megatron_lm_e2e.py), the same SLURM then runs scripts/slurm/pretrain_multimodal_rrfp.sbatch
+tests/e2e/test_megatron_lm_e2e.py), the same SLURM then runs scripts/slurm/pretrain_multimodal_rrfp.sbatch
 on Megatron-LM's own pretrain_vlm.py (LLaVA, CPU mode, 2 pipeline stages, rrfp) to the end.
 Every step is bounded by a timeout.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +35,7 @@ import pytest
 
 from helpers.megatron_lm import copy_tree, release
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm" / "localhost_slurm.sh"
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt_rrfp.sbatch"
 MULTIMODAL_SBATCH = REPO / "scripts" / "slurm" / "pretrain_multimodal_rrfp.sbatch"
@@ -51,13 +53,17 @@ def localhost_slurm():  # one localhost SLURM for the module's jobs: starting it
         pytest.skip("needs root: starting a localhost SLURM (munged, slurmctld, slurmd) and installing it if missing")
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
         pytest.skip("slurm is not installed and there is no apt-get to install it")
-    try:
-        started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True,
-                                 timeout=START_TIMEOUT_S)
-        assert started.returncode == 0, f"localhost SLURM did not start:\n{started.stdout}\n{started.stderr}"
-        yield
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=90)
+    # One localhost SLURM per machine: a second suite running at the same time (the other CI leg, a
+    # developer's run) would start and stop the same daemons and its jobs would hold the 2-CPU node.
+    with open(os.path.join(tempfile.gettempdir(), "rrfp-localhost-slurm.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True,
+                                     timeout=START_TIMEOUT_S)
+            assert started.returncode == 0, f"localhost SLURM did not start:\n{started.stdout}\n{started.stderr}"
+            yield
+        finally:
+            subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, text=True, timeout=90)
 
 
 class Job:

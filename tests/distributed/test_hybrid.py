@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 from test_executor import _check
-from test_train import TINY, losses, train
 
 from helpers.interleaved import compare_interleaved_transports
+from helpers.train_cli import TINY, losses, train
 from megatron_rrfp.dist.launcher import launch
 from megatron_rrfp.mcore.compat import hybrid_model_unavailable
 

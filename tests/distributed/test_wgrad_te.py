@@ -1,6 +1,6 @@
 """Transformer Engine's own B/W split driven by rrfp's W (megatron_rrfp.split.te).
 
-    python -m pytest tests/test_wgrad_te.py -q
+    python -m pytest tests/distributed/test_wgrad_te.py -q
 
 TE needs CUDA: these tests run ``helpers.te_standin`` (a CPU module rebuilt from TE's source,
 tagged by version 2.3 ... 2.20) inside a megatron-core module, plain and under megatron-core

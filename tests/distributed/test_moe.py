@@ -64,7 +64,7 @@ MOE_TRAIN = ["--cpu", "--nproc", "4", "--pipeline-model-parallel-size", "2", "--
 
 @pytest.mark.timeout(300)
 def test_train_ep2_pp2_rrfp_logs_the_losses_of_1f1b():
-    from test_train import losses, train
+    from helpers.train_cli import losses, train
 
     rrfp = losses(train(*MOE_TRAIN, "--pipeline-schedule", "rrfp", "--rrfp-hint", "bf", timeout=140))
     megatron = losses(train(*MOE_TRAIN, "--pipeline-schedule", "1f1b", timeout=140))

@@ -1,6 +1,6 @@
 """megatron_rrfp.megatron_lm.hooks: goodput ledger and traces around Megatron-LM's loop.
 
-    python -m pytest tests/test_megatron_lm_hooks.py -q          # a few seconds
+    python -m pytest tests/unit/test_megatron_lm_hooks.py -q          # a few seconds
 
 CI has no megatron.training, so the hooks are exercised against a STAND-IN for
 ``megatron.training.training``, written for these tests (no Megatron-LM code): a module

@@ -15,7 +15,7 @@ import tokenize
 from collections.abc import Iterator
 from functools import cache
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_rrfp"
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists() or p.is_dir()
                      if not p.name.startswith("__"))

@@ -122,7 +122,7 @@ def test_test_code_and_research_drivers_live_outside_the_package():
     """The whole-job transport emulation (with the pre-rounds protocol and the ablations that
     deadlock), the default policy's grid and the benchmark table live in tests/helpers and
     scripts/; the package has no runnable module but its commands."""
-    tests = pathlib.Path(__file__).parent
+    tests = pathlib.Path(__file__).parents[1]
     assert all((tests / "helpers" / name).exists() for name in ("emulated_pipeline.py", "queue_device.py",
                                                                 "default_grid.py"))
     assert (PACKAGE.parent / "scripts" / "bench_suite.py").exists()

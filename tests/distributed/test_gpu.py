@@ -1,7 +1,7 @@
 """GPU tests: NOT YET RUN ON HARDWARE (written so the first GPU run is one command).
 
     torchrun --nproc-per-node 2 scripts/gpu_selfcheck.py     # first
-    python -m pytest -q -m cuda tests/test_gpu.py              # then these
+    python -m pytest -q -m cuda tests/distributed/test_gpu.py              # then these
 
 Each test runs steps of the self-check (``megatron_rrfp/verify/selfcheck.py``) under
 torchrun in a subprocess, so NCCL, the devices and the processes are real: equivalence
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "gpu_selfcheck.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_selfcheck.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -88,7 +88,7 @@ def _equivalence_on_cpu() -> list:
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
     # hint bf: no split backward here (the self-check was written where the split failed on
-    # megatron-core 0.19, _DeferrableLinearBackward's gradient count; tests/test_wgrad.py covers the split)
+    # megatron-core 0.19, _DeferrableLinearBackward's gradient count; tests/distributed/test_wgrad.py covers the split)
     return [compare_with_megatron(ctx, tp=2, pp=2, iterations=2, num_microbatches=4, device="cpu", hint="bf"),
             compare_with_megatron(ctx, tp=2, pp=2, chunks=2, iterations=2, num_microbatches=4, device="cpu",
                                   hint="bf")]

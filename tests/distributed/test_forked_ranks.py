@@ -4,7 +4,7 @@ rank stopped when one fails, a signal to the launcher passed on, nothing left be
 
 Each case runs the launcher in a subprocess (as ``megatron-rrfp train`` does) over three
 ranks of ``helpers/rank_probe.py``, which join a gloo process group through env://.
-``tests/test_train_failures.py`` covers the same launcher under ``train`` (a rank
+``tests/e2e/test_train_failures.py`` covers the same launcher under ``train`` (a rank
 SIGKILLed mid-iteration).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = ("import sys; sys.path.insert(0, {tests!r})\n"
             "from megatron_rrfp.dist.forked import run_module_forked\n"
             "sys.exit(run_module_forked(3, 'helpers.rank_probe', [{action!r}], env={{'OMP_NUM_THREADS': '1'}},"

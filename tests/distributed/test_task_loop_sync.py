@@ -4,7 +4,7 @@ on CPU with a probe (tests/helpers/sync_probe.py) that records the calls that wo
 CUDA — value reads, copies between devices, synchronize — made by megatron_rrfp's code while
 ``PipelineIteration.run`` runs, on a real megatron-core GPT at PP=2 over the device (rounds)
 protocol, two hints, per-token loss on (the split backward is left out: it failed on
-megatron-core 0.19 when this test was written; tests/test_wgrad.py covers it)."""
+megatron-core 0.19 when this test was written; tests/distributed/test_wgrad.py covers it)."""
 from __future__ import annotations
 
 import pytest

@@ -15,9 +15,9 @@ process started here (forked after torch's import: helpers/cli_fork.py), with a 
 ``--nproc`` runs the launcher (dist/forked.py) in that process and its ranks die with it, so
 killing the launcher (ours) leaves nothing behind.
 Ledger write failures mid-write and corrupt / missing ledgers are covered by
-tests/test_goodput.py.
+tests/e2e/test_goodput.py.
 
-    python -m pytest tests/test_train_failures.py -v
+    python -m pytest tests/e2e/test_train_failures.py -v
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ TINY = ["--cpu", "--nproc", "2", "--pipeline-model-parallel-size", "2", "--pipel
         "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0", "--train-iters", "8", "--log-interval", "1"]
 LOSS_LINE = re.compile(r"\] iteration\s+(\d+)/\s*(\d+) \|.* lm loss: (\S+) \|")  # Megatron-LM's log line
 LAUNCH_TIMEOUT_S = 120
-FAULT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fault_site")
+FAULT_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "fault_site")
 # From the kill to the command's exit: the survivor notices (a dead peer at once through
 # the transport, a silent one after --rrfp-timeout), reports, and exits. The launcher
 # (dist/forked.py, as torch.distributed.run) SIGTERMs it as soon as it sees the dead rank; the survivor's

@@ -1,6 +1,6 @@
 """The multi-process launcher, the CPU adapter and the reference models.
 
-    python -m pytest tests/test_harness.py -q        # ~1 min on 2 cores
+    python -m pytest tests/distributed/test_harness.py -q        # ~1 min on 2 cores
 
 Rank functions are top-level (they are pickled into the rank processes) and import
 megatron-core inside, so the failure tests that skip it start in ~1 s instead of ~5 s.

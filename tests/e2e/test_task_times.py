@@ -17,7 +17,7 @@ from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.sim import Variability, lower_bound, policy, sample_realization, simulate
 from megatron_rrfp.sim.measured import FORMAT, load_task_times
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MICROBATCHES = 5
 TINY = ["--device", "cpu", "--microbatches", str(MICROBATCHES), "--warmup", "1", "--hidden-size", "32",
         "--num-layers", "1", "--seq-length", "32", "--img-h", "8", "--patch-dim", "4", "--num-experts", "4"]

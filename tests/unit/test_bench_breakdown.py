@@ -1,6 +1,6 @@
 """Where the bench's time goes (bench/breakdown.py) and the simulator's measured host-cost
 option (sim.variability.with_host_cost): pure functions, no ranks launched. The end-to-end
-figures come from tests/test_bench_sweep.py's real run."""
+figures come from tests/e2e/test_bench_sweep.py's real run."""
 from __future__ import annotations
 
 import pytest
@@ -81,7 +81,7 @@ def test_summary_with_task_records_feeds_the_suite_row():
 
     from megatron_rrfp.bench.run import BenchConfig, summarize
 
-    suite = runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_suite.py"))
+    suite = runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "scripts", "bench_suite.py"))
     markdown, row = suite["markdown"], suite["row"]
 
     config = BenchConfig(pipeline_size=2, num_microbatches=4, schedules=("megatron-1f1b", "rrfp-default"),

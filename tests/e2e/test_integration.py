@@ -1,6 +1,6 @@
 """megatron_rrfp.megatron_lm (install, launch) and patches/apply.sh, against what is installed.
 
-    python -m pytest tests/test_integration.py -q        # ~1 min on 2 cores
+    python -m pytest tests/e2e/test_integration.py -q        # ~1 min on 2 cores
 
 CI cannot fetch Megatron-LM, so nothing here needs a checkout. The add_megatron_arguments
 hook runs against the real ``megatron.training.arguments`` when it is importable, and
@@ -28,7 +28,7 @@ from megatron_rrfp.megatron_lm import install as integration
 
 REAL_TRAINING = importlib.util.find_spec("megatron.training") is not None
 ARGS_PATH = "megatron.training" if REAL_TRAINING else "stand-in"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The CLI surface the hook adds to Megatron-LM's parser (frozen: changing it is a decision).
 RRFP_FLAGS = {"--pipeline-schedule", "--rrfp-hint", "--rrfp-buffer-limit", "--rrfp-strict", "--rrfp-timeout",

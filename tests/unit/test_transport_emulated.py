@@ -18,7 +18,7 @@ from helpers.queue_device import ThreadCollective
 from megatron_rrfp.policy.actions import Kind, Task
 from megatron_rrfp.runtime.agreement import AgreementError, TPAgreement
 
-# random jobs name bf / bfw on interleaved layouts where the planner announces a loss (tests/test_policy.py)
+# random jobs name bf / bfw on interleaved layouts where the planner announces a loss (tests/unit/test_policy.py)
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:megatron-rrfp. hint '(bf|bfw)' with:RuntimeWarning")]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "device_check.py"
 _spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
 device_check = sys.modules.setdefault("device_check", importlib.util.module_from_spec(_spec))

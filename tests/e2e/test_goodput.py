@@ -1,6 +1,6 @@
 """Goodput ledger, accounting, recorder hooks and the ``goodput`` command.
 
-    python -m pytest tests/test_goodput.py -q
+    python -m pytest tests/e2e/test_goodput.py -q
 
 Synthetic ledgers use a fake clock, so every expected second is exact. The failure
 tests use a real tmpfs when the test runs as root (``mount -t tmpfs``: a read-only one,
@@ -36,7 +36,7 @@ from megatron_rrfp.goodput import (
 from megatron_rrfp.goodput import writer as ledger_module
 from megatron_rrfp.goodput.recorder import TIMER_NAMES, extend_timer_logging, publish_to_timers
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """B/W split of megatron-core linears (megatron_rrfp.split.megatron_linear) against the unsplit backward.
 
-    python -m pytest tests/test_wgrad.py -q -s       # ~1 min on 2 cores; -s prints memory
+    python -m pytest tests/distributed/test_wgrad.py -q -s       # ~1 min on 2 cores; -s prints memory
 
 Each case builds the same stage twice (same seed), runs several microbatches through
 the plain backward on one copy and, on the other, B of every microbatch under
@@ -310,7 +310,7 @@ def _ddp_refusals() -> dict:
 
 def sequence_parallel_installs() -> list[str]:
     """Sequence parallelism is no longer a blocker (W re-gathers the saved local input); the
-    split's equivalence under SP is tests/test_executor.py's TP2xPP2 case."""
+    split's equivalence under SP is tests/distributed/test_executor.py's TP2xPP2 case."""
     from megatron_rrfp.split import megatron_linear as wgrad
     from megatron_rrfp.train import models
 

@@ -1,6 +1,6 @@
 """Where data-parallel communication may overlap RRFP's task loop, and the rule that makes it safe
 (mcore/dp_overlap.py); the rule itself is exercised on the single-queue emulation
-(tests/test_transport_emulated.py)."""
+(tests/unit/test_transport_emulated.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -119,7 +119,7 @@ def test_lockstep_cost_script_prints_no_cost_without_jitter(capsys):
     import os
     import runpy
 
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "lockstep_cost.py")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "scripts", "lockstep_cost.py")
     assert runpy.run_path(script)["main"](["--pp", "2", "--variability", "j0,j3", "--seeds", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 2 and rows[0].endswith("| +0.0% |"), rows  # j0: the replicas draw alike
