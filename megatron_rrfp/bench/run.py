@@ -344,13 +344,12 @@ def _run_with_torch_launcher(config: BenchConfig, world: int, progress_path: str
             pickle.dump((config, progress_path, table_path), handle)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc-per-node", str(world), "--module", "megatron_rrfp.bench.rank", run_dir]
-        from ..dist.env import HIDDEN_CUDA
+        from ..dist.env import HIDDEN_CUDA, gloo_on_loopback
 
         env = dict(os.environ)
         if config.device == "cpu":  # gloo ranks: no GPU (env.hide_cuda), loopback (containers' hostnames)
             env.update(HIDDEN_CUDA)
-            if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
-                env["GLOO_SOCKET_IFNAME"] = "lo"
+            gloo_on_loopback(env)
         with subprocess.Popen(command, env=env) as ranks:
             try:
                 status = ranks.wait(timeout=config.timeout_s)

@@ -34,6 +34,13 @@ def hide_cuda(environ: MutableMapping[str, str] = os.environ) -> None:
     environ.update(HIDDEN_CUDA)
 
 
+def gloo_on_loopback(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Local gloo ranks talk over loopback unless the user chose an interface: gloo picks one by
+    resolving the hostname, which containers often resolve to an address with no route."""
+    if "GLOO_SOCKET_IFNAME" not in environ and os.path.exists("/sys/class/net/lo"):
+        environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
 def cuda_hidden(environ: Mapping[str, str] = os.environ) -> bool:
     """True where CUDA_VISIBLE_DEVICES hides every device (``hide_cuda``, or a user's empty value)."""
     return environ.get("CUDA_VISIBLE_DEVICES") == ""

@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, Optional
 
-from .env import die_with_parent
+from .env import die_with_parent, gloo_on_loopback
 from .torchrun import exit_status, report_failures
 
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL this much later (torch's launcher's default)
@@ -57,8 +57,7 @@ def run_module_forked(nproc: int, module: str, args: Sequence[str], *, env: Opti
 
     announce()  # the ranks inherit the filter (quiet.ENV); the line is said here, once
     os.environ.update({str(k): str(v) for k, v in (env or {}).items()})  # before the imports read it
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # containers often resolve the hostname to no route
+    gloo_on_loopback()
     for name in preload:
         importlib.import_module(name)
     sys.stdout.flush()

@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 
-from .env import HIDDEN_CUDA, die_with_parent, hide_cuda
+from .env import HIDDEN_CUDA, die_with_parent, gloo_on_loopback, hide_cuda
 
 __all__ = ["DistributedTestFailure", "RankOutcome", "launch", "start_fork_server"]
 
@@ -241,10 +241,7 @@ def _child_env(extra: dict | None) -> dict:
     env = dict(os.environ)
     # 2-core CI machines run 4+ ranks: one intra-op thread each avoids oversubscription.
     env["OMP_NUM_THREADS"] = "1"
-    # gloo resolves the hostname to pick an interface; containers often resolve it to an
-    # unroutable address. Loopback is what we use anyway.
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    gloo_on_loopback(env)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
     env.update(HIDDEN_CUDA)  # gloo ranks: a CUDA device they could see would draw megatron-core's buffers to it
     return env

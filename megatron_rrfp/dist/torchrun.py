@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from .env import print_line
+from .env import gloo_on_loopback, print_line
 
 MONITOR_INTERVAL_S = 0.1  # how often the agent checks its workers (torchrun's default)
 
@@ -34,8 +34,7 @@ def run_module(nproc: int, module: str, args: Sequence[str], *, env: Optional[di
     announce()  # the ranks inherit the filter (quiet.ENV); the line is said here, once
 
     os.environ.update({str(k): str(v) for k, v in (env or {}).items()})  # the agent's workers inherit it
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # containers often resolve the hostname to no route
+    gloo_on_loopback()
     parsed = torchrun.parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
                                   "--max-restarts", "0", "--monitor-interval", str(MONITOR_INTERVAL_S),
                                   "--module", module, *args])
