@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..checks import bound
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from .llava import add_llava_arguments, llava_from_args
 from .simulator import BASELINE
@@ -11,6 +12,7 @@ from .variability import Variability
 
 _VARIABILITY = Variability.BOUNDS
 _STUDY = StudyConfig.BOUNDS
+_OPTIMAL_TIME = bound(0, 24 * 3600, low_open=True)
 
 
 
@@ -117,6 +119,11 @@ def add_simulate_parser(sub) -> None:
                                                    "memory per policy (default: next to --json)")
     p.add_argument("--timeline", metavar="PNG", help="draw every policy's timeline for the first seed")
     p.add_argument("--trace", metavar="JSON", help="Chrome/Perfetto trace of the first seed")
+    p.add_argument("--optimal", action="store_true",
+                   help="also the clairvoyant optimum per seed (CP-SAT; small layouts: pip install "
+                        "megatron-rrfp[optimal]): each policy's makespan / optimum beside /LB")
+    p.add_argument("--optimal-time-limit", type=_OPTIMAL_TIME.parse, default=10.0,
+                   help="solver seconds per seed and limit; past it the best order found is reported, not proven")
     p.set_defaults(func=_run_simulate)
 
 
@@ -152,7 +159,15 @@ def _run_simulate(args: argparse.Namespace) -> int:
                          policies=[p.strip() for p in args.policies.split(",") if p.strip()],
                          buffer_limit=limits[0], seeds=args.seeds, first_seed=args.first_seed,
                          variability=variability, baseline=args.baseline)
+    if args.optimal:
+        from .optimal import check_study
+
+        check_study(config, limits)
     tradeoff = run_tradeoff(config, limits)
+    if args.optimal:
+        from .optimal import add_optimum
+
+        add_optimum(config, tradeoff, time_limit_s=args.optimal_time_limit)
     single = len(limits) == 1
     print(format_report(tradeoff["studies"][0]) if single else format_tradeoff(tradeoff))
     if args.json:

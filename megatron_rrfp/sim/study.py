@@ -184,11 +184,19 @@ def format_report(report: dict) -> str:
             f"{report['lower_bound_split_median']:.3f} with a split backward")
     other = report.get("baseline", BASELINE) != BASELINE
     extra = f"{'vs ' + report['baseline']:>18}" if other else ""
-    rows = [head, f"{'policy':<16}{'makespan':>10}{'speedup':>9}{'bubble':>8}{'/LB':>7}{'peak D':>8}{extra}"]
+    optimum = "optimal" in report  # simulate --optimal (optimal.py): makespan / optimum beside /LB
+    rows = [head, f"{'policy':<16}{'makespan':>10}{'speedup':>9}{'bubble':>8}" + (f"{'/opt':>7}" if optimum else "")
+            + f"{'/LB':>7}{'peak D':>8}{extra}"]
     for name, p in report["policies"].items():
         rows.append(f"{name:<16}{p['makespan_median']:>10.3f}{p['speedup_vs_1f1b_strict']:>8.3f}x"
-                    f"{100 * p['bubble_fraction_median']:>7.1f}%{p['makespan_over_lower_bound']:>7.3f}"
+                    f"{100 * p['bubble_fraction_median']:>7.1f}%"
+                    + (f"{p['makespan_over_optimal']:>7.3f}" if optimum else "")
+                    + f"{p['makespan_over_lower_bound']:>7.3f}"
                     f"{p['peak_in_flight_max']:>8d}" + (f"{p['speedup_vs_baseline']:>17.3f}x" if other else ""))
+    if optimum:
+        from .optimal import format_optimum
+
+        rows.append(format_optimum(report))
     return "\n".join(rows)
 
 
@@ -210,6 +218,12 @@ def format_tradeoff(tradeoff: dict) -> str:
         if len(cells) == 1 and len(columns) > 1:
             cells = [cells[0] + " fixed"] + [""] * (len(columns) - 1)
         rows.append(f"{name:<16}" + "".join(f"{c:>22}" for c in cells))
+    for study in studies:  # simulate --optimal (optimal.py)
+        if "optimal" in study:
+            from .optimal import format_optimum
+
+            ratios = ", ".join(f"{name} {p['makespan_over_optimal']:.3f}" for name, p in study["policies"].items())
+            rows.append(f"{study['buffer_limit_spec']}: {format_optimum(study)}\n  makespan / optimum: {ratios}")
     return "\n".join(rows)
 
 
