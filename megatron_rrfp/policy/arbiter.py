@@ -24,7 +24,7 @@ from typing import Optional
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
 from .hint_specs import make_hint
-from .hints import Hint, Memory, OrderedHint, validate_order
+from .hints import Hint, Memory, OrderedHint, _backward_key, _forward_key, validate_order
 from .membytes import UNIT, ByteBudget, megatron_counts
 from .topology import Topology
 
@@ -55,6 +55,11 @@ class ArbiterConfig:
     """Per stage, byte weights and budgets (membytes.py): admission and the split of each B
     then also keep the stage's modelled bytes within its budget. None: forwards in flight only.
     The runtime sets it for ``1x`` (mcore/byte_limit.py); the simulator takes it as given."""
+    pair_forward_backward: bool = False
+    """Dispatch a ready F and a ready B of this stage together as one combined task (megatron-core's
+    combined forward-backward step: each one's MoE all-to-alls overlap the other's compute). The
+    hint picks the first task; its partner is the best ready task of the other direction that the
+    memory rule admits (``Arbiter.partner``). Never with a split backward (W) or in strict mode."""
 
     def __post_init__(self) -> None:
         try:
@@ -139,18 +144,77 @@ class Arbiter:
         self.peak_level = 0.0
         self._held_bytes = [0.0] * num_microbatches
         self._inline: set[tuple[int, int]] = set()  # B that ran unsplit: their W release nothing
+        self.pairs: list[tuple[Task, Task]] = []  # (F, B) dispatched together, in dispatch order
+        self._pairs_on = (config.pair_forward_backward and not config.strict and not forward_only
+                          and not self.split_backward)
+        self._partner: Optional[tuple[Task, Task]] = None  # (task choose() returned, its partner)
+        self.hint_ready: set[Task] = set()  # the ready set choose() was last given
 
     # -- policy ----------------------------------------------------------------------
 
     def choose(self, ready: Iterable[Task]) -> Optional[Task]:
         """The task to dispatch now, or None to wait for the next readiness event."""
         ready = set(ready)
+        self._partner = None
         if self.config.strict:
             nxt = self.next_in_order()
             return nxt if nxt is not None and nxt in ready else None
         if not ready:
             return None
-        return self.hint.pick(self._allowed(ready), self)
+        allowed = self._allowed(ready)
+        self.hint_ready = ready
+        task = self.hint.pick(allowed, self)
+        if task is not None and self._pairs_on:
+            partner = self._partner_of(task, allowed)
+            if partner is not None:
+                self._partner = (task, partner)
+        return task
+
+    def take_partner(self, task: Optional[Task]) -> Optional[Task]:
+        """The task to run together with ``task``, the one ``choose`` just returned (None: run it
+        alone). Every rank that fed ``choose`` the same ready set gets the same answer; a driver
+        that dispatches a task ``choose`` did not return here passes it and gets None."""
+        chosen, self._partner = self._partner, None
+        return chosen[1] if chosen is not None and chosen[0] == task else None
+
+    def record_pair(self, first: Task, partner: Task) -> None:
+        """The driver dispatched ``first`` and ``partner`` together: recorded as the backward,
+        then the forward (the forward was admitted on the state after the backward's release)."""
+        forward, backward = (first, partner) if first.kind is Kind.F else (partner, first)
+        self.record(backward)
+        self.record(forward)
+        self.pairs.append((forward, backward))
+
+    def _partner_of(self, task: Task, allowed: set[Task]) -> Optional[Task]:
+        """The best allowed ready task of the other direction: an ordered hint's next one within
+        its window (none outside it: a pair never pulls work from further ahead), a rule hint's
+        BF ranking otherwise. A forward partner of a backward is admitted by the memory rule on
+        the state after that backward's release, as if the backward ran first: the pair's layers
+        free the backward's activations while the forward's build up (megatron-core's combined
+        step), so inside the pair at most one forward more than the limit is held, as with
+        Megatron's combined 1F1B, which runs one forward more than its 1F1B."""
+        other = Kind.B if task.kind is Kind.F else (Kind.F if task.kind is Kind.B else None)
+        if other is None:
+            return None
+        if other is Kind.F:
+            ready_forwards = {t for t in self.hint_ready if t.kind is Kind.F}
+            frontier = self._frontier_after_backward(task)
+            candidates = {t for t in ready_forwards if t.microbatch <= frontier}
+        else:
+            candidates = {t for t in allowed if t.kind is other and t != task}
+        if not candidates:
+            return None
+        if self._order is not None:
+            window = self.lookahead
+            for seen, listed in enumerate(t for t in self.remaining_order() if t != task):
+                if window is not None and seen >= window:
+                    return None
+                if listed in candidates:
+                    return listed
+            return None
+        group = self.topology.num_stages
+        key = _forward_key if other is Kind.F else _backward_key
+        return min(candidates, key=lambda t: key(t, group))
 
     def record(self, task: Task) -> None:
         """The driver dispatched ``task``: update counters and hint position."""
@@ -331,6 +395,21 @@ class Arbiter:
         if frontier >= self.num_microbatches - 1:  # every forward admitted
             return ready
         return {t for t in ready if t.kind is not Kind.F or t.microbatch <= frontier}
+
+    def _frontier_after_backward(self, backward: Task) -> int:
+        """``admission_frontier`` as it would be once the unsplit ``backward`` ran (state restored)."""
+        mb = backward.microbatch
+        saved = (self.in_flight, self._released[mb], self._oldest, self._frontier_at, self._frontier, self.level,
+                 self._held_bytes[mb], self.peak_level)
+        try:
+            weights = self._bytes.stage if self._bytes is not None else UNIT
+            self._add_bytes(mb, -weights.forward)
+            self._release(mb)
+            self._frontier_at = -1
+            return self.admission_frontier()
+        finally:
+            (self.in_flight, self._released[mb], self._oldest, self._frontier_at, self._frontier, self.level,
+             self._held_bytes[mb], self.peak_level) = saved
 
     def admission_frontier(self) -> int:
         """Highest microbatch whose forwards may run now (-1: none; M: any).

@@ -27,6 +27,13 @@ Duration = Callable[[int, Task], float]
 """(stage, task) -> how long the task runs."""
 Latency = Callable[[int, Task], float]
 """(stage, producing task) -> how long its message travels (F: activation, B: gradient)."""
+PairDuration = Callable[[int, Task, Task], float]
+"""(stage, forward, backward) -> how long the two run as one combined task."""
+
+
+def serial_pair(duration: Duration) -> PairDuration:
+    """A pair that overlaps nothing: the two halves one after the other."""
+    return lambda stage, forward, backward: duration(stage, forward) + duration(stage, backward)
 
 
 class DeadlockError(RuntimeError):
@@ -54,7 +61,9 @@ class DryRun:
     peak_in_flight: list[int]
     orders: list[list[Task]]
     trace: list[tuple[int, Task, float, float]] = field(default_factory=list)
-    """(stage, task, start, end) per task, when asked for."""
+    """(stage, task, start, end) per task, when asked for (a pair's two tasks share one span)."""
+    pairs: list[list[tuple[Task, Task]]] = field(default_factory=list)
+    """Per stage, the (F, B) it ran together as combined tasks (``ArbiterConfig.pair_forward_backward``)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -148,9 +157,11 @@ def _task_time(arbiter: Arbiter, duration: Duration, stage: int, task: Task) -> 
 
 
 def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, latency: Latency = no_latency,
-        name: str = "", record_trace: bool = False) -> DryRun:
+        name: str = "", record_trace: bool = False, pair_duration: Optional[PairDuration] = None) -> DryRun:
     """Run one iteration; raises ``DeadlockError`` if the arbiters stall with work left and
-    ValueError for a duration or latency that is negative, NaN or infinite."""
+    ValueError for a duration or latency that is negative, NaN or infinite. A pair the arbiter
+    dispatches (``Arbiter.take_partner``) runs ``pair_duration`` (default: its halves in series)
+    and both its messages leave when it ends, as from megatron-core's combined step."""
     pipe = _Pipeline(arbiters, topology, latency)
     pp = topology.num_stages
     busy_until: list[Optional[float]] = [None] * pp
@@ -165,14 +176,25 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
             if busy_until[stage] is None and pipe.ready[stage]:
                 task = pipe.arbiters[stage].choose(pipe.ready[stage])
                 if task is not None:
-                    pipe.ready[stage].discard(task)
-                    pipe.arbiters[stage].record(task)
-                    length = _task_time(pipe.arbiters[stage], duration, stage, task)
+                    arbiter = pipe.arbiters[stage]
+                    partner = arbiter.take_partner(task)
+                    group = (task,) if partner is None else (task, partner)
+                    for member in group:
+                        pipe.ready[stage].discard(member)
+                    if partner is None:
+                        arbiter.record(task)
+                        length = _task_time(arbiter, duration, stage, task)
+                    else:
+                        arbiter.record_pair(task, partner)
+                        forward, backward = arbiter.pairs[-1]
+                        length = _checked_time((pair_duration or serial_pair(duration))(stage, forward, backward),
+                                               "pair duration", stage, task)
                     busy_until[stage] = now + length
                     busy[stage] += length
-                    if record_trace:
-                        trace.append((stage, task, now, now + length))
-                    pipe.push(now + length, _FINISH, stage, task)
+                    for member in group:
+                        if record_trace:
+                            trace.append((stage, member, now, now + length))
+                        pipe.push(now + length, _FINISH, stage, member)
         if not pipe.events:
             break
         now = pipe.events[0][0]
@@ -191,7 +213,8 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
                             f"{states}")
     return DryRun(policy=name or pipe.arbiters[0].hint.name, makespan=now, busy=busy,
                   peak_in_flight=[a.peak_in_flight for a in pipe.arbiters],
-                  orders=[list(a.dispatched) for a in pipe.arbiters], trace=trace)
+                  orders=[list(a.dispatched) for a in pipe.arbiters], trace=trace,
+                  pairs=[list(a.pairs) for a in pipe.arbiters])
 
 
-__all__ = ["DeadlockError", "DryRun", "constant_durations", "no_latency", "run"]
+__all__ = ["DeadlockError", "DryRun", "PairDuration", "constant_durations", "no_latency", "run", "serial_pair"]

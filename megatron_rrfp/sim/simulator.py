@@ -32,7 +32,8 @@ def simulate(config: ArbiterConfig, topology: Topology, num_microbatches: int, r
         return table[stage][task.chunk][task.microbatch]
 
     return run(plan.arbiters(), topology, duration=lambda stage, task: realization.duration(stage, task, split),
-               latency=latency, name=name or config.parsed_hint.name, record_trace=record_trace)
+               latency=latency, name=name or config.parsed_hint.name, record_trace=record_trace,
+               pair_duration=realization.pair_duration)
 
 
 # -- policies compared by `megatron-rrfp simulate` -------------------------------------

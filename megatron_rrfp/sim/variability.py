@@ -159,6 +159,19 @@ class Realization:
         comm = self.backward_comm[stage][task.chunk][task.microbatch] if self.backward_comm else 0.0
         return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0) + extra
 
+    def pair_duration(self, stage: int, forward: Task, backward: Task) -> float:
+        """A ready F and B run together (megatron-core's combined step, two streams): each
+        half's all-to-all hides behind the other's compute, so the pair takes the longer of the
+        two resources, max(compute F + compute B, all-to-all F + all-to-all B). Optimistic: the
+        layer-by-layer dependencies inside the step (an all-to-all waits for its own layer's
+        compute) are not modelled. Without MoE communication it is the two in series."""
+        alone = self.duration(stage, forward, False) + self.duration(stage, backward, False)
+        if not self.backward_comm:
+            return alone
+        comm = (self.backward_comm[stage][forward.chunk][forward.microbatch]
+                + self.backward_comm[stage][backward.chunk][backward.microbatch])
+        return max(alone - comm, comm)
+
 
 def with_host_cost(realization: Realization, host_cost: list) -> Realization:
     """``realization`` with a measured per-task host cost (seconds, per stage and kind: what the
