@@ -1,7 +1,8 @@
 """``TrainConfig``: every flag of ``megatron-rrfp train``, one field each.
 
-The command line is generated from the fields (flag = ``--`` + name with dashes, help =
-the field's ``help``), so the dataclass and the parser cannot drift apart; the
+The command line is generated from the fields (``megatron_rrfp.options``: flag = ``--`` +
+name with dashes, help = the field's ``help``, type = its range in ``BOUNDS``), so the
+dataclass and the parser cannot drift apart; the
 ``--pipeline-schedule`` / ``--rrfp-*`` fields come from ``megatron_lm.flags.add_rrfp_arguments``,
 shared with the Megatron-LM integration. ``to_argv`` turns a config back into flags
 (``--nproc`` uses it to start its ranks). ``validate`` raises ValueError quoting the
@@ -13,23 +14,52 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-from dataclasses import dataclass, field, fields
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Union
 
 from ..checks import Bound, bound, check_fields, integer
 from ..mcore.config import DEFAULT_TIMEOUT_S
 from ..megatron_lm.flags import add_rrfp_arguments, rrfp_config_from_args, validate_rrfp_arguments
+from ..options import add_options, external, from_namespace, option
+from ..options import flags as option_flags
+from ..options import to_argv as options_to_argv
 from ..policy.arbiter import DEFAULT_BUFFER_LIMIT, DEFAULT_HINT
 from ..policy.budget import starting_limit
 from .signals import EXIT_SIGNALS
 
 
-def _flag(default, help: str, group: str, **argparse_kwargs):
-    return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
+def _flag(default, help: str, group: str, **kwargs):
+    return option(default, help, group=group, **kwargs)
 
 
 def _shared(default):  # defined by megatron_lm.flags.add_rrfp_arguments
-    return field(default=default, metadata={"shared": True})
+    return external(default)
+
+
+_SIZE = integer(1, 1 << 24)
+_OPTIONAL_SIZE = integer(1, 1 << 24, optional=True)
+BOUNDS: dict[str, Bound] = {
+    **{name: _SIZE for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                                "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                                "log_interval")},
+    **{name: _OPTIONAL_SIZE for name in ("ffn_hidden_size", "vision_num_layers", "vision_hidden_size",
+                                         "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
+                                         "max_images", "save_interval", "global_batch_size")},
+    "images_per_sample": bound(0, 1e3),
+    "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
+    "num_experts": integer(1, 1 << 16, optional=True), "expert_model_parallel_size": _SIZE,
+    "moe_router_topk": _SIZE, "moe_aux_loss_coeff": bound(0, 1e3),
+    "train_iters": integer(1, 10**9),
+    "lr": bound(0, 1e3), "min_lr": bound(0, 1e3), "lr_warmup_iters": integer(0, 10**9),
+    "weight_decay": bound(0, 1e3), "clip_grad": bound(0, 1e9),
+    "seed": integer(0, 2**32 - 1),  # numpy's seed range
+    "load_iteration": integer(0, 10**9, optional=True),
+    "nproc": integer(1, 1024, optional=True),
+    "tensorboard_log_interval": integer(1, 10**9), "timing_log_level": integer(0, 2),
+    "distributed_timeout_minutes": bound(0, 7 * 24 * 60, low_open=True),  # a week, like --rrfp-timeout
+}
+"""Accepted range of every numeric flag (the --rrfp-* ones: megatron_lm/flags.py): the
+argparse type of the flag and ``validate``'s first check."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,6 +198,8 @@ class TrainConfig:
     rrfp_trace_dir: Optional[str] = _shared(None)
     rrfp_goodput_ledger: Optional[str] = _shared(None)
 
+    BOUNDS: ClassVar[dict[str, Bound]] = BOUNDS  # the ranges above: the types of the generated flags
+
     def __post_init__(self) -> None:
         """Defaults that depend on other flags, so that each default is valid whatever else is given."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
@@ -186,31 +218,7 @@ class TrainConfig:
             self.moe_router_topk = min(2, self.num_experts) if isinstance(self.num_experts, int) else 2
 
 
-_SIZE = integer(1, 1 << 24)
-_OPTIONAL_SIZE = integer(1, 1 << 24, optional=True)
-BOUNDS: dict[str, Bound] = {
-    **{name: _SIZE for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                                "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                                "log_interval")},
-    **{name: _OPTIONAL_SIZE for name in ("ffn_hidden_size", "vision_num_layers", "vision_hidden_size",
-                                         "vision_num_attention_heads", "image_size", "patch_size", "tokens_per_image",
-                                         "max_images", "save_interval", "global_batch_size")},
-    "images_per_sample": bound(0, 1e3),
-    "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
-    "num_experts": integer(1, 1 << 16, optional=True), "expert_model_parallel_size": _SIZE,
-    "moe_router_topk": _SIZE, "moe_aux_loss_coeff": bound(0, 1e3),
-    "train_iters": integer(1, 10**9),
-    "lr": bound(0, 1e3), "min_lr": bound(0, 1e3), "lr_warmup_iters": integer(0, 10**9),
-    "weight_decay": bound(0, 1e3), "clip_grad": bound(0, 1e9),
-    "seed": integer(0, 2**32 - 1),  # numpy's seed range
-    "load_iteration": integer(0, 10**9, optional=True),
-    "nproc": integer(1, 1024, optional=True),
-    "tensorboard_log_interval": integer(1, 10**9), "timing_log_level": integer(0, 2),
-    "distributed_timeout_minutes": bound(0, 7 * 24 * 60, low_open=True),  # a week, like --rrfp-timeout
-}
-"""Accepted range of every numeric flag (the --rrfp-* ones: megatron_lm/flags.py): the
-argparse type of the flag and ``validate``'s first check."""
-FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
+FLAGS = option_flags(TrainConfig)
 
 TRAIN_HELP = {
     "rrfp_goodput_ledger": (
@@ -225,19 +233,7 @@ TRAIN_HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in fields(TrainConfig):
-        meta = dict(f.metadata)
-        if meta.pop("shared", False):
-            continue
-        name = meta.pop("group")
-        if name not in groups:
-            groups[name] = parser.add_argument_group(name)
-        if meta.get("action") != "store_true":
-            meta["type"] = BOUNDS[f.name].parse if f.name in BOUNDS else meta.get("type", type(f.default))
-            meta["help"] += f" (default {f.default})" if f.default is not None else ""
-        aliases = meta.pop("aliases", ())
-        groups[name].add_argument("--" + f.name.replace("_", "-"), *aliases, default=f.default, **meta)
+    add_options(parser, TrainConfig)
     add_rrfp_arguments(parser)
     for action in parser._actions:  # the shared flags, as this driver uses them
         if action.dest in TRAIN_HELP:
@@ -246,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    config = from_namespace(TrainConfig, args)
     if config.model == "hybrid" and config.hybrid_layer_pattern:  # as Megatron-LM: the pattern sets the count
         from .hybrid import pattern_layers
 
@@ -257,14 +253,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 
 def to_argv(config: TrainConfig, *, skip: tuple[str, ...] = ("nproc",)) -> list[str]:
     """The flags that reproduce ``config`` (only those that differ from the defaults)."""
-    argv = []
-    for f in fields(TrainConfig):
-        value = getattr(config, f.name)
-        if f.name in skip or value == f.default:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        argv += [flag] if isinstance(value, bool) else [flag, repr(value) if isinstance(value, float) else str(value)]
-    return argv
+    return options_to_argv(config, skip=skip)
 
 
 def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
