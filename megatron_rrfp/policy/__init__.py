@@ -14,8 +14,8 @@ Words (docs/glossary.md has the full list):
   limits in that unit (settings, not speed-ups); ``auto`` grows from 1x into measured memory.
 * order — one stage's task list; hint — a schedule read as a ranking of the ready tasks
   (``bf``, ``bfw``, ``1f1b``, ``zbh1``, ``gpipe``, a file, or ``default``, which picks one per
-  layout and limit); plan — every stage's order for a layout, checked by a dry run; strict —
-  run an order exactly, waiting where it waits.
+  layout and limit by the rows of ``default.DEFAULT_RULES``); plan — every stage's order for a
+  layout, checked by a dry run; strict — run an order exactly, waiting where it waits.
 * f0, j0-j3 — the simulator's time unit (one stage's nominal forward) and its variability
   levels, j0 none to j3 the paper's reference (sigma_c, c50, sigma_m: ``sim/variability.py``).
 """

@@ -74,7 +74,7 @@ class ArbiterConfig:
 
 
 def memory_of(buffer_limit: int, topology: Topology, num_microbatches: int) -> Optional[Memory]:
-    """What ``default`` reads of the memory (hints.default_choice); None for a layout
+    """What ``default`` reads of the memory (default.DEFAULT_RULES); None for a layout
     Megatron's schedule refuses (no 1x to compare with)."""
     try:
         peak = megatron_peak_in_flight(topology, num_microbatches)

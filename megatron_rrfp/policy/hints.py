@@ -9,14 +9,12 @@ is the full per-stage order, used by strict mode and for display):
   or an explicit per-stage list (JSON) — rank by position in the list.
 
 ``make_hint("bf" | "bfw" | "1f1b" | "zbh1" | "gpipe" | "path/to/hint.json")`` builds one;
-``"default"`` resolves per layout and buffer limit (``DefaultHint.for_layout``,
-``default_choice``): near Megatron's memory ``zbh1`` read readiness-first where the model
-can split its backward (at 1x only deferred weight gradients give a stage something to run
-in a bubble), else Megatron's own order: 1F1B waiting for late forwards without chunks
+``"default"`` resolves per layout and buffer limit (``DefaultHint.for_layout``) by the rows
+of ``default.DEFAULT_RULES``: near Megatron's memory ``zbh1`` read readiness-first where the
+model can split its backward (at 1x only deferred weight gradients give a stage something to
+run in a bubble), else Megatron's own order: 1F1B waiting for late forwards without chunks
 (``WAITING_1F1B``), the interleaved order with chunks (under jitter at 1x it beats
-chunk-aware BF); with room to run ahead ``bfw`` or ``bf`` (``BFW_FROM_MEMORY``,
-``BF_FROM_MEMORY``). The simulated figures behind each threshold, and the commands that print
-them: docs/simulator.md ("The default at every memory limit"); the words: docs/glossary.md.
+chunk-aware BF); with room to run ahead ``bfw`` or ``bf``.
 
 With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
 microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
@@ -35,12 +33,12 @@ may fill idle time, which keeps the arbiter deadlock-free (docs/design/deadlock-
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
-from typing import NamedTuple, Optional, Protocol
+from typing import Optional, Protocol
 
 from .actions import Kind, Task, peak_in_flight
+from .default import LEAD_ZBH1_THEN_BFW, WAITING_1F1B, Memory, default_choice
 from .topology import Topology
 
 
@@ -154,86 +152,14 @@ class DirectionalHint(Hint):
         return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
-BFW_FROM_MEMORY = {1: 1.25, 2: 1.25, 3: 1.75}
-BFW_FROM_MEMORY_MANY_CHUNKS = 1.5
-BFW_FROM_MEMORY_MANY_CHUNKS_DEEP = 1.75
-"""``default`` with a split backward: the buffer limit (a multiple of Megatron's peak) from
-which it reads ``bfw`` instead of ``zbh1``, by chunks per stage (more than 3:
-``BFW_FROM_MEMORY_MANY_CHUNKS``, and ``..._DEEP`` beyond PP = 4). Below it ZB-H1's order
-keeps the interleaved warm-up the memory still binds; from it a stage spends the room on
-running ahead and W fills what is left. Without jitter the two tie everywhere; with 4 chunks
-at 1.5x the crossover moves with depth (``bfw`` ahead at PP = 4, ``zbh1`` from PP = 8).
-``scripts/sim_default_grid.py`` prints the grid; docs/simulator.md has the figures."""
-LEAD_ZBH1_FROM_MEMORY = 1.5
-"""Beyond PP = 4 with 3+ chunks and a split backward, from this multiple up to where ``bfw``
-starts, ``default`` reads ``LEAD_ZBH1_THEN_BFW``: stage 0 follows ZB-H1's order, every later
-stage ranks as ``bfw``. There the better named hint depends on the workload (``bfw`` under j3,
-multimodal imbalance or a straggler, ``zbh1`` under MoE or sequence lengths); the first stage
-keeping ZB-H1's warm-up while the others run ahead is ahead of both in most of the simulated
-cells and rarely far behind the better one. At PP 2-4 it trails ``bfw``, so there the rule above
-stands (docs/simulator.md, "Stage 0 on ZB-H1's order, the others bfw")."""
-LEAD_ZBH1_THEN_BFW = "zbh1 on stage 0, bfw after it"
-BF_FROM_MEMORY = 1.25
-WAITING_1F1B = "1f1b, waiting for late forwards"
-"""``default`` without a split backward or chunks: ``bf`` from this multiple, below it
-Megatron's 1F1B order read readiness-first except that a stage waits for the forward its
-order runs next rather than run a ready backward ahead of it (``OrderedHint``'s
-``waits_for_forward``). At 1x a backward run ahead of a late forward delays the forward wave
-by up to a whole backward, which at low jitter costs more than the wait (``bf`` falls behind
-strict 1F1B there; the waiting order does not); ``bf`` keeps more under multimodal imbalance
-and sequence lengths, where a late forward is late by more than a backward. From 1.25x ``bf``
-leads (it spends the spare slots running ahead); at PP 2-3 1.25x rounds down to 1x, which
-still waits. Byte budgets tighter than Megatron's counts drop the wait (arbiter.py). Figures:
-docs/simulator.md ("Without the split, one chunk, 1x")."""
-BF_INTERLEAVED_FROM_MEMORY = {2: 1.5}
-BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS = 2.0
-"""``default`` without a split backward, interleaved: ``bf`` from this multiple (by chunks; 3 or
-more: ``..._MANY_CHUNKS``), Megatron's own interleaved order (``1f1b``) below: with 2 chunks
-from 1.5x ``bf`` leads Megatron's order on some workloads and trails it by little on the others
-(docs/simulator.md)."""
-
-
-class Memory(NamedTuple):
-    """A stage's buffer limit beside Megatron's own peak and the stage's M x C forwards (all
-    in (microbatch, chunk) forwards in flight): what ``default`` reads."""
-
-    limit: int
-    megatron_peak: int
-    all_forwards: int
-
-
-def default_choice(topology: Topology, *, split_backward: bool, memory: Optional[Memory]) -> str:
-    """The named hint ``default`` reads for this layout and memory (``DefaultHint``;
-    ``WAITING_1F1B``: Megatron's 1F1B order that waits for a late forward). A threshold t
-    holds from the limit "tx" resolves to (floor(t x peak), budget.py), so "1.5x" of 19
-    (= 28) reads as 1.5x."""
-    def at_least(multiple: float) -> bool:  # no memory given: 1x
-        return memory is not None and memory.limit >= max(1, math.floor(multiple * memory.megatron_peak + 1e-9))
-
-    chunks = topology.num_chunks
-    if split_backward:
-        deep = topology.num_stages > 4
-        many = BFW_FROM_MEMORY_MANY_CHUNKS_DEEP if deep else BFW_FROM_MEMORY_MANY_CHUNKS
-        if at_least(BFW_FROM_MEMORY.get(chunks, many)):
-            return "bfw"
-        return LEAD_ZBH1_THEN_BFW if deep and chunks >= 3 and at_least(LEAD_ZBH1_FROM_MEMORY) else "zbh1"
-    if not topology.interleaved:
-        at_peak = memory is not None and memory.limit == memory.megatron_peak  # 1.25x of 2-3 is 1x
-        return WAITING_1F1B if at_peak or (at_least(1.0) and not at_least(BF_FROM_MEMORY)) else "bf"
-    if chunks >= 4 and memory is not None and memory.limit >= memory.all_forwards:
-        return "gpipe"  # room for every forward: ahead of bf with 4 chunks (docs/simulator.md)
-    return "bf" if at_least(BF_INTERLEAVED_FROM_MEMORY.get(chunks, BF_INTERLEAVED_FROM_MEMORY_MANY_CHUNKS)) \
-        else "1f1b"
-
-
 class DefaultHint(Hint):
     """What a user who names no hint gets: the named hint that wins for this layout, this
-    buffer limit and what the model's backward allows (``default_choice``).
+    buffer limit and what the model's backward allows (``default.DEFAULT_RULES``).
 
     Where the model can defer its weight gradients: ZB-H1 read readiness-first near
     Megatron's memory — at 1x the W tasks are what a stage can run in a bubble without
     holding another forward (where BF, with nothing to fill a bubble, gains almost nothing over
-    strict 1F1B) — and ``bfw`` once the limit leaves room to run ahead (``BFW_FROM_MEMORY``).
+    strict 1F1B) — and ``bfw`` once the limit leaves room to run ahead (``DEFAULT_RULES``).
     Otherwise, without chunks, Megatron's 1F1B order waiting for late forwards at 1x and BF
     (the paper's) from 1.25x; Megatron's own interleaved order with chunks
     (``bf`` from 1.5x with 2 chunks, from 2x with 3+). Without jitter it is never slower than the order it
@@ -257,7 +183,7 @@ class OrderedHint(Hint):
 
     ``waits_for_forward``: when the next entry is a forward the memory rule admits but whose
     input has not arrived, wait for it instead of running a ready backward ahead of it (what
-    ``default`` reads for 1F1B without the split at 1x, ``default_choice``). Deadlock-free on
+    ``default`` reads for 1F1B without the split at 1x, ``WAITING_1F1B``). Deadlock-free on
     Megatron's one-chunk 1F1B order while every stage may hold its Megatron count, which the
     arbiter checks (docs/design/deadlock-freedom.md)."""
 

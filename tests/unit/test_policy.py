@@ -625,6 +625,26 @@ def test_default_reads_the_buffer_limit_and_names_losing_interleaved_bf():
         Plan.build(ArbiterConfig(hint="bfw", buffer_limit="1x"), Topology(5, 3), 10)
 
 
+def test_the_default_rules_cover_every_layout_and_the_docs_print_them():
+    """``DEFAULT_RULES`` holds a row for every layout and memory (the last row of each family holds
+    everywhere), ``default`` builds the hint its row names, and docs/design-and-policy.md prints
+    the table as it is."""
+    import pathlib
+
+    from megatron_rrfp.policy.default import WAITING_1F1B, Memory, default_choice, rules_table
+
+    for split in (False, True):
+        for pp in (2, 5, 32):
+            for chunks in range(1, 7):
+                for memory in (None, Memory(0, 0, 0), *(Memory(limit, 8, 40) for limit in range(1, 50))):
+                    row = default_choice(Topology(pp, chunks), split_backward=split, memory=memory)
+                    hint = make_hint("default").for_layout(Topology(pp, chunks), split_backward=split, memory=memory)
+                    assert (hint.name, hint.waits_for_forward) == (("1f1b", True) if row == WAITING_1F1B
+                                                                    else (row, False)), (pp, chunks, memory)
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "design-and-policy.md").read_text(encoding="utf-8")
+    assert rules_table() in docs, "docs/design-and-policy.md: print policy.default.rules_table() again"
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pp=st.integers(2, 9), microbatches=st.integers(1, 20), limit=st.sampled_from(["1x", "1.2x"]),
        bytes_seed=st.integers(0, 2**16), sigma_msg=st.floats(0, 2.0), seed=st.integers(0, 2**16))
