@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 from .checks import Bound
@@ -90,6 +90,15 @@ def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
     return parser
 
 
+def add_command(subparsers: Any, name: str, cls: type, run: Callable[[Any], int], *,
+                defaults: Optional[dict] = None, **parser_kwargs: Any) -> argparse.ArgumentParser:
+    """Subcommand ``name``: the flags of ``cls``; running it calls ``run`` with the parsed ``cls``."""
+    parser = subparsers.add_parser(name, **parser_kwargs)
+    add_options(parser, cls, **(defaults or {}))
+    parser.set_defaults(func=lambda args: run(from_namespace(cls, args)))
+    return parser
+
+
 def from_namespace(cls: type, args: argparse.Namespace) -> Any:
     """The ``cls`` the parsed ``args`` describe (its ``__post_init__`` checks run)."""
     values = {}
@@ -129,4 +138,5 @@ def _walk(cls: type, defaults: dict, group: Optional[str], *, external: bool = F
             yield cls, f, defaults.get(f.name, f.default), group
 
 
-__all__ = ["add_options", "external", "flag_of", "flags", "from_namespace", "nested", "option", "switch", "to_argv"]
+__all__ = ["add_command", "add_options", "external", "flag_of", "flags", "from_namespace", "nested", "option", "switch",
+           "to_argv"]

@@ -18,23 +18,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from ..options import add_command, option
 
 NA = "n/a"
 _IGNORED_CONFIG = ("out_dir", "timeout_s", "goodput_ledger")  # where and how long, not what was measured
 
 
+@dataclass(kw_only=True, slots=True)
+class CompareOptions:
+    """``megatron-rrfp compare``'s command line."""
+
+    a: str = option(None, "the baseline run (bench --json, or its out dir's bench.json)", positional=True,
+                    metavar="A.json")
+    b: str = option(None, "the run to compare with it", positional=True, metavar="B.json")
+
+
 def add_compare_parser(sub) -> argparse.ArgumentParser:
-    parser = sub.add_parser("compare", help="two bench.json files side by side (time, speedup, bubble, memory)",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("a", metavar="A.json", help="the baseline run (bench --json, or its out dir's bench.json)")
-    parser.add_argument("b", metavar="B.json", help="the run to compare with it")
-    parser.set_defaults(func=_run)
-    return parser
+    return add_command(sub, "compare", CompareOptions, _run,
+                       help="two bench.json files side by side (time, speedup, bubble, memory)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _run(args: argparse.Namespace) -> int:
-    print(compare(load(args.a), load(args.b), names=(args.a, args.b)))
+def _run(options: CompareOptions) -> int:
+    print(compare(load(options.a), load(options.b), names=(options.a, options.b)))
     return 0
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 from ..checks import integer
+from ..options import add_command, option
 from .accounting import CATEGORIES, GoodputReport, goodput_report
 
 BINS = integer(1, 10_000)
@@ -32,29 +35,33 @@ FIELD_LABELS = {
 }
 
 
+@dataclass(kw_only=True, slots=True)
+class GoodputOptions:
+    """``megatron-rrfp goodput``'s command line."""
+
+    ledger: str = option(None, "the SQLite file given to --rrfp-goodput-ledger", positional=True, metavar="LEDGER")
+    json: Optional[str] = option(None, "write the figures as JSON", metavar="PATH")
+    png: Optional[str] = option(None, "draw goodput over time and the stacked badput", metavar="PATH")
+    bins: int = option(60, "time slices in the chart and JSON timeline", bound=BINS)
+
+
 def add_goodput_parser(sub) -> None:
-    p = sub.add_parser("goodput", help="goodput report of a job's ledger: where did the time go?",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ledger", metavar="LEDGER", help="the SQLite file given to --rrfp-goodput-ledger")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    p.add_argument("--png", metavar="PATH", help="draw goodput over time and the stacked badput")
-    p.add_argument("--bins", type=BINS.parse, default=60,
-                   help="time slices in the chart and JSON timeline (default 60)")
-    p.set_defaults(func=run_goodput)
+    add_command(sub, "goodput", GoodputOptions, run_goodput, help="goodput report of a job's ledger: where did the "
+                "time go?", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def run_goodput(args: argparse.Namespace) -> int:
-    BINS.check("--bins", args.bins)
-    report = goodput_report(args.ledger, bins=args.bins)  # LedgerError (a ValueError): one clear line
+def run_goodput(options: GoodputOptions) -> int:
+    BINS.check("--bins", options.bins)
+    report = goodput_report(options.ledger, bins=options.bins)  # LedgerError (a ValueError): one clear line
     print(format_report(report))
-    if args.json:
-        _makedirs_for(args.json)
-        with open(args.json, "w", encoding="utf-8") as handle:
+    if options.json:
+        _makedirs_for(options.json)
+        with open(options.json, "w", encoding="utf-8") as handle:
             json.dump(report.to_dict(), handle, indent=1)
-        print(f"figures: {args.json}")
-    if args.png:
-        plot_goodput(report, args.png)
-        print(f"chart: {args.png}")
+        print(f"figures: {options.json}")
+    if options.png:
+        plot_goodput(report, options.png)
+        print(f"chart: {options.png}")
     return 0
 
 
