@@ -61,6 +61,14 @@ _CPU_REDIRECTED_MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.moe_layer",
+    # combined 1F1B (--overlap-moe-expert-parallel-comm): the schedule plan's CUDA event, its
+    # computation and communication streams, NVTX ranges around every node
+    "megatron.core.pipeline_parallel.combined_1f1b",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.models.common.model_chunk_schedule_plan",
+    "megatron.core.models.common.utils",  # 0.19: the layer nodes
+    "megatron.core.models.common.fine_grained_callables",  # 0.19
+    "megatron.core.models.gpt.fine_grained_callables",  # 0.16: the layer nodes and callables
 )
 
 _enabled = False
@@ -94,8 +102,25 @@ def enable_cpu_reference_schedules() -> bool:
             _redirected.append(name)
     _disable_cuda_rng_fork()
     _define_missing_te_names()
+    _record_stream_on_cpu_streams()
     _enabled = True
     return True
+
+
+def _record_stream_on_cpu_streams() -> None:
+    """``Tensor.record_stream(stream)`` with a stand-in stream is a no-op (combined 1F1B's schedule
+    nodes record the tensors they free on their stream; torch refuses anything but a torch Stream)."""
+    from .standins import CpuStream
+
+    record_stream = torch.Tensor.record_stream
+    if getattr(record_stream, "_rrfp_cpu", False):
+        return
+
+    def record(self, stream):
+        return None if isinstance(stream, CpuStream) else record_stream(self, stream)
+
+    record._rrfp_cpu = True
+    torch.Tensor.record_stream = record
 
 
 def runs_on_cuda() -> bool:

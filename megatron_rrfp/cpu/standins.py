@@ -110,6 +110,9 @@ CUDA_CALLS = {
     "current_stream": lambda device=None: CPU_STREAM,
     "default_stream": lambda device=None: CPU_STREAM,
     "stream": lambda stream=None: contextlib.nullcontext(),
+    # NVTX ranges (megatron-core's combined-1F1B nodes push and pop them; a CPU build of torch raises)
+    "nvtx": types.SimpleNamespace(range_push=lambda msg: None, range_pop=lambda: None, mark=lambda msg: None,
+                                  range=lambda msg, *args, **kwargs: contextlib.nullcontext()),
 }
 """The ``torch.cuda`` calls megatron-core makes unconditionally, CPU-safe. On a CUDA build of
 torch without a GPU they would otherwise initialise the driver (and, in a rank forked from

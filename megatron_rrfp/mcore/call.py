@@ -33,7 +33,13 @@ from .config import RRFPConfig
 from .dp_overlap import AFTER_LOOP, LOCKSTEP, describe, dp_communication, overlapped_dp_communication_allowed
 from .grad_sync import GradSyncController
 from .session import Session, session
-from .stage_work import MegatronStageWork, attach_split_readiness, weight_grad_store, with_split_capability
+from .stage_work import (
+    MegatronStageWork,
+    attach_split_readiness,
+    weight_grad_store,
+    with_combined_steps,
+    with_split_capability,
+)
 from .state import ScheduleState
 
 _UNSUPPORTED_FLAGS = {
@@ -43,11 +49,6 @@ _UNSUPPORTED_FLAGS = {
 }
 
 _UNSUPPORTED_MOE_FLAGS = {
-    "overlap_moe_expert_parallel_comm":
-        "it is Megatron's combined-1F1B schedule (one microbatch's all-to-alls overlapped with another's "
-        "compute inside one step); rrfp runs one task at a time: unset --overlap-moe-expert-parallel-comm",
-    "delay_wgrad_compute": "Megatron's MoE wgrad delay belongs to overlap_moe_expert_parallel_comm; rrfp splits the "
-                           "backward itself (hint bfw / zbh1 / default): unset --delay-wgrad-compute",
     "moe_shared_expert_overlap": "the shared experts' side stream overlapping the dispatcher's all-to-all is not "
                                  "verified under rrfp: unset --moe-shared-expert-overlap",
 }
@@ -189,6 +190,8 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
     place = _placement(state, options, inputs.models, pg_collection=pg_collection, p2p_communicator=p2p_communicator)
     runtime = session(place.pp_ranks, place.groups.agreement_ranks, place.device, options.timeout_s,
                       options.transport, state=state)
+    options = with_combined_steps(options, place.config, inputs.models, inputs.forward_step_func,
+                                  forward_only=inputs.forward_only)  # pairs F and B; never splits them
     options = with_split_capability(options, inputs.models,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
     where = dict(models=inputs.models, topology=place.topology, num_microbatches=inputs.num_microbatches,

@@ -94,6 +94,52 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     return fn(input_tensor, output_tensor, output_tensor_grad, config)
 
 
+def combined_forward_backward_step(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor,
+                                   forward_data_store, b_model, b_input_tensor, b_output_tensor,
+                                   b_output_tensor_grad, config, **kwargs):
+    """megatron-core's combined-1F1B step (``--overlap-moe-expert-parallel-comm``): one microbatch's
+    forward (``f_model``), another's backward (``b_model``), or both layer by layer on two streams.
+    Returns (output, num_tokens, input gradient); the same signature in 0.15 - 0.19."""
+    from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step as fn
+
+    return fn(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor, forward_data_store,
+              b_model, b_input_tensor, b_output_tensor, b_output_tensor_grad, config, **_accepted(fn, kwargs))
+
+
+def set_combined_streams(config) -> None:
+    """The computation and communication streams of megatron-core's combined step, set once per
+    process as its own combined-1F1B schedules set them (0.19 adds ``high_priority``)."""
+    from megatron.core.pipeline_parallel.utils import set_streams
+
+    set_streams(**_accepted(set_streams, dict(high_priority=getattr(config, "high_priority_a2a_comm_stream", False))))
+
+
+def combined_steps_blocker(config, models, forward_step_func) -> str:
+    """Why megatron-core's combined-1F1B steps cannot run these models here ("" when they can): the
+    forward step must build the schedule plan (``return_schedule_plan``, as Megatron-LM's
+    ``pretrain_gpt.py``); ``delay_wgrad_compute`` calls ``backward_dw`` on every linear of a layer,
+    which megatron-core's own non-TE linears lack before 0.19."""
+    try:
+        params = inspect.signature(forward_step_func).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "return_schedule_plan" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return ("the forward step function takes no return_schedule_plan argument (megatron-core's combined step "
+                "asks it for the model's schedule plan, as Megatron-LM's pretrain_gpt.py forward_step builds it)")
+    if getattr(config, "delay_wgrad_compute", False):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        for model in models:
+            for name, module in model.named_modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and \
+                        not hasattr(module, "backward_dw"):
+                    return (f"--delay-wgrad-compute calls backward_dw() on {name} ({type(module).__name__}), which "
+                            f"megatron-core {MEGATRON_CORE_VERSION} defines only for Transformer Engine's linears; "
+                            "use --transformer-impl transformer_engine or megatron-core >= 0.19, or drop "
+                            "--delay-wgrad-compute")
+    return ""
+
+
 def first_val_step(first_val_step_flag, forward_only: bool, cond: bool) -> bool:
     return _schedules().check_first_val_step(first_val_step_flag, forward_only, cond)
 

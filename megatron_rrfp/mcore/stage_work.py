@@ -3,6 +3,11 @@
 Only the *order* and the *communication* change under RRFP — never the math: loss
 scaling, per-token loss, MoE aux-loss scaling and the custom backward of deallocated
 outputs are megatron-core's.
+
+With ``overlap_moe_expert_parallel_comm`` every F and B goes through megatron-core's combined-1F1B
+step instead (its forward builds the schedule plan the backward consumes), and a pair the arbiter
+dispatched runs as one such step: one microbatch's forward with another's backward, layer by
+layer, each one's all-to-alls on the communication stream beside the other's compute.
 """
 from __future__ import annotations
 
@@ -77,8 +82,16 @@ class MegatronStageWork:
         self.outputs: dict[int, list] = {}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=compat.pipeline_device())
         self._forwards_run = [0] * len(models)
+        # megatron-core's combined-1F1B steps for every F and B (forward-only calls run its plain forward_step,
+        # as Megatron's own schedules do)
+        self.combined = bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
+        if self.combined:
+            compat.set_combined_streams(config)
 
     def forward(self, task: Task, input_tensor, send) -> None:
+        if self.combined:
+            self.pair((task, input_tensor, send), None)
+            return
         mb, chunk = task.microbatch, task.chunk
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()  # its .grad is what backward sends upstream
@@ -106,6 +119,9 @@ class MegatronStageWork:
             compat.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
 
     def backward(self, task: Task, output_grad, send) -> None:
+        if self.combined:
+            self.pair(None, (task, output_grad, send))
+            return
         inputs, output = self.saved.pop((task.microbatch, task.chunk))
         if self.wgrad_store is not None:  # B of a split backward: input gradients only
             with self.wgrad_store.deferring((task.microbatch, task.chunk), inline=not self.defers_weight(task)):
@@ -120,6 +136,50 @@ class MegatronStageWork:
             send(input_grad[0])
         self.grad_sync.after_backward(task.chunk)
 
+    def pair(self, forward, backward) -> None:
+        """One combined-1F1B step: ``forward`` = (F task, input, send) and ``backward`` = (B task,
+        output gradient, send), either None for a half alone. megatron-core's own
+        ``combined_forward_backward_step`` runs it; around it only what Megatron's interleaved
+        combined path does around its call (grad-sync points, the sends, the output's deallocation)."""
+        f_model = b_model = f_chunk = None
+        inputs, store, num_microbatch, first = [None], [], None, False
+        b_inputs, b_output, b_grad = None, None, None
+        if forward is not None:
+            f_task, input_tensor, _ = forward
+            f_chunk, num_microbatch, f_model = f_task.chunk, f_task.microbatch, self.models[f_task.chunk]
+            if input_tensor is not None:
+                input_tensor.requires_grad_()  # its .grad is what the backward sends upstream
+            inputs = [input_tensor]
+            first = self._forwards_run[f_chunk] == 0
+            self._forwards_run[f_chunk] += 1
+            self.grad_sync.before_forward(f_chunk, first_of_chunk=first)
+        if backward is not None:
+            b_task, output_grad, _ = backward
+            b_inputs, b_output = self.saved.pop((b_task.microbatch, b_task.chunk))
+            b_model, b_grad = self.models[b_task.chunk], [output_grad]
+            self.grad_sync.before_backward(b_task.chunk)  # the chunk's last backward may reduce
+        output, num_tokens, input_grad = compat.combined_forward_backward_step(
+            self.forward_step_func, None if forward is None else self.feeds[f_chunk].view(num_microbatch),
+            f_model, self.num_microbatches, inputs, store, b_model, b_inputs, b_output, b_grad, self.config,
+            f_model_chunk_id=f_chunk if self.topology.interleaved else None,
+            collect_non_loss_data=self.collect_non_loss_data, checkpoint_activations_microbatch=None,
+            is_first_microbatch=compat.first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=num_microbatch)
+        if forward is not None:
+            f_task, _, send = forward
+            if store:
+                self.outputs[f_task.microbatch] = store
+            self.total_num_tokens += num_tokens
+            if send is not None:
+                send(output[0])
+            self.saved[(f_task.microbatch, f_task.chunk)] = (inputs, output)
+            compat.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+        if backward is not None:
+            b_task, _, send = backward
+            if send is not None:
+                send(input_grad[0])
+            self.grad_sync.after_backward(b_task.chunk)
+
     def weight(self, task: Task) -> None:
         """W of a split backward: the deferred weight gradients of one microbatch; the
         chunk's last W lets each bucket reduce as soon as its last weight is done."""
@@ -129,6 +189,29 @@ class MegatronStageWork:
 
     def losses_in_microbatch_order(self) -> list:
         return [item for mb in sorted(self.outputs) for item in self.outputs[mb]]
+
+
+def with_combined_steps(options, config, models, forward_step_func, *, forward_only: bool):
+    """``options`` (an RRFPConfig) for megatron-core's combined-1F1B steps: with
+    ``overlap_moe_expert_parallel_comm`` the arbiter pairs a ready F with a ready B
+    (``ArbiterConfig.pair_forward_backward``) and the backward is never split into B and W (the
+    schedule plan runs each layer's backward, and with ``delay_wgrad_compute`` its weight
+    gradients, inside the step). Raises a one-line ValueError where the steps cannot run here."""
+    if not getattr(config, "overlap_moe_expert_parallel_comm", False) or forward_only:
+        return options
+    blocker = compat.combined_steps_blocker(config, models, forward_step_func)
+    if blocker:
+        raise ValueError(f"megatron_rrfp: --overlap-moe-expert-parallel-comm under rrfp: {blocker}")
+    arbiter = options.arbiter
+    hint = arbiter.parsed_hint
+    if hint.name != "default" and hint.split_backward:
+        raise ValueError(f"megatron_rrfp: --overlap-moe-expert-parallel-comm under rrfp: hint {hint.name!r} "
+                         "(--rrfp-hint) splits the backward into B and W, while megatron-core's combined step runs "
+                         "each layer's whole backward; use --rrfp-hint default, bf or 1f1b")
+    if arbiter.pair_forward_backward and not arbiter.split_backward_ok:
+        return options
+    return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, pair_forward_backward=True,
+                                                                    split_backward_ok=False))
 
 
 def weight_grad_store(models, memory=None, *, hint: str = ""):

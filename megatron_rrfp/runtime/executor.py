@@ -148,6 +148,7 @@ class PipelineIteration:
         if self.task_bytes is not None:
             self.report.task_bytes = self.task_bytes.figures()
         self.report.unsplit_backwards = self.arbiter.unsplit_backwards
+        self.report.pairs = list(self.arbiter.pairs)
         if self.agreement is not None:
             stats = self.agreement.stats
             self.report.agree_s = stats.blocked_s
@@ -157,6 +158,10 @@ class PipelineIteration:
         return self.report
 
     def _dispatch(self, task: Task) -> None:
+        partner = self.arbiter.take_partner(task)  # the same on every agreeing rank: chosen from the same set
+        if partner is not None and self.task_bytes is None:  # the byte calibration weighs tasks one by one
+            self._dispatch_pair(task, partner)
+            return
         enabled = self._enabled_by(task)  # decided now, so the next offer can include it
         self.ready.discard(task)
         self.arbiter.record(task)
@@ -251,6 +256,7 @@ class PipelineIteration:
             chosen: list = []
             self._await(lambda: bool(chosen.append(self.arbiter.choose(common | self.ready)) or chosen[-1]))
             self.agreement.announce(chosen[-1])
+            self.arbiter.take_partner(None)  # listeners learn the task alone: it runs alone everywhere
             return chosen[-1]
         with self._agreeing():
             task = self.agreement.listen()
@@ -447,6 +453,52 @@ class PipelineIteration:
                 measured.end_split_backward()
         else:
             self._work(task, self.work.weight)
+
+    def _dispatch_pair(self, task: Task, partner: Task) -> None:
+        """A forward and a backward dispatched together (``ArbiterConfig.pair_forward_backward``):
+        recorded and agreed as the backward, then the forward; run as one combined step."""
+        enabled = self._enabled_by(task) | self._enabled_by(partner)
+        self.ready.difference_update((task, partner))
+        self.arbiter.record_pair(task, partner)
+        forward, backward = self.arbiter.pairs[-1]
+        if self.agreement is not None:
+            self.agreement.commit(backward)
+            self.agreement.commit(forward)
+            self._absorb()
+            self._post_offer(enabled)
+        name = f"{forward}+{backward}"
+        start = time.time()
+        with self.clock.task(name) as events:
+            self._run_pair(forward, backward)
+        end = time.time()
+        self.report.compute_s += end - start
+        if self.record_spans:
+            sends = [(key, sent - start) for key, sent in self._sent]
+            span = self._span(name, "F+B", start, end, {"flow_out": sends} if sends else None)
+            self.clock.on_device(span, events)
+            self._sent = []
+        self.ready |= enabled
+        self.transport.task_launched()
+        self._last_progress = time.monotonic()
+
+    def _run_pair(self, forward: Task, backward: Task) -> None:
+        downstream = self.topology.downstream(self.stage, forward.chunk)
+        forward_send = None if downstream is None else self._sender("activation", forward.microbatch, downstream)
+        upstream = self.topology.upstream(self.stage, backward.chunk)
+        backward_send = None if upstream is None else self._sender("gradient", backward.microbatch, upstream)
+        self.backwards_left -= 1
+        activation = self._take(self.activations, (forward.microbatch, forward.chunk))
+        gradient = self._take(self.gradients, (backward.microbatch, backward.chunk))
+
+        def run() -> None:
+            self.work.pair((forward, activation, forward_send), (backward, gradient, backward_send))
+        if self.around_task is None:
+            run()
+        else:  # each half inside its own around_task (instrumentation sees both tasks)
+            self.around_task(forward, lambda: self.around_task(backward, run))
+        self._released(activation)
+        self._released(gradient)
+        self.forward_done.add((forward.microbatch, forward.chunk))
 
     def _work(self, task: Task, method: Callable, *args) -> None:
         if self.around_task is None:

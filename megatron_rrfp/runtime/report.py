@@ -38,6 +38,7 @@ class IterationReport:
     unsplit_backwards: int = 0  # B the byte budget ran unsplit (W a no-op)
     task_bytes: Optional[dict] = None  # runtime.memory.TaskBytes.figures(): what this call's tasks weighed
     spans: list[Span] = field(default_factory=list)
+    pairs: list[tuple[Task, Task]] = field(default_factory=list)  # (F, B) run as one combined step (also in order)
 
     @property
     def order_string(self) -> str:

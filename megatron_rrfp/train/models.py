@@ -192,7 +192,7 @@ def synthetic_gpt_batches(*, seed: int, micro_batch_size: int, seq_length: int,
         yield gpt_batch(text.numpy(), torch.device("cpu"))
 
 
-def gpt_forward_step(data_iterator, model: GPTModel):
+def gpt_forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
     """forward_step_func for megatron-core schedules (and our executor) on a GPT stage.
 
     Data: a stage (model chunk) draws one batch per micro-batch iff it embeds or has the
@@ -201,9 +201,17 @@ def gpt_forward_step(data_iterator, model: GPTModel):
     must yield micro-batches in the same order.
     Loss: the 3-tuple form (summed loss, token count, report); the schedule divides by
     the token count and the number of micro-batches.
+    ``return_schedule_plan``: megatron-core's combined-1F1B step (``overlap_moe_expert_parallel_comm``)
+    asks for the model's schedule plan in place of its output, as Megatron-LM's pretrain_gpt.py builds it.
     """
     pre_process, post_process = roles_of(model)
     batch = next(data_iterator) if (pre_process or post_process) else None
+    if return_schedule_plan:
+        if batch is None:
+            return model.build_schedule_plan(None, None, None), partial(_gpt_loss, None)
+        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                                         labels=batch["labels"] if post_process else None)
+        return plan, partial(_gpt_loss, batch["loss_mask"])
     if batch is None:
         output = model(None, None, None)
         return output, partial(_gpt_loss, None)

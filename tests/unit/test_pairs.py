@@ -122,3 +122,24 @@ def test_simulated_pair_hides_the_smaller_resource():
     assert r.pair_duration(0, f, b) < alone
     dense = sample_realization(Variability(sigma_compute=0.0), topology, 4, seed=0)
     assert dense.pair_duration(0, f, b) == pytest.approx(dense.duration(0, f, False) + dense.duration(0, b, False))
+
+
+def test_combined_steps_pair_and_refuse_what_they_cannot_run():
+    import types
+
+    from megatron_rrfp.mcore.config import RRFPConfig
+    from megatron_rrfp.mcore.stage_work import with_combined_steps
+    from megatron_rrfp.train.models import gpt_forward_step
+
+    config = types.SimpleNamespace(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
+    paired = with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step, forward_only=False)
+    assert paired.arbiter.pair_forward_backward and not paired.arbiter.split_backward_ok
+    assert not with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step,
+                                   forward_only=True).arbiter.pair_forward_backward  # evaluation: plain forwards
+    with pytest.raises(ValueError, match="overlap-moe-expert-parallel-comm.*return_schedule_plan"):
+        with_combined_steps(RRFPConfig.of(), config, [], lambda data_iterator, model: None, forward_only=False)
+    with pytest.raises(ValueError, match="hint 'bfw'.*splits the backward"):
+        with_combined_steps(RRFPConfig.of(hint="bfw"), config, [], gpt_forward_step, forward_only=False)
+    off = types.SimpleNamespace(overlap_moe_expert_parallel_comm=False)
+    assert not with_combined_steps(RRFPConfig.of(), off, [], gpt_forward_step,
+                                   forward_only=False).arbiter.pair_forward_backward
