@@ -121,9 +121,10 @@ def replay(orders: Sequence[Sequence[Task]], topology: Topology, realization: Re
            record_trace: bool = False):
     """The simulator running ``orders`` as fixed orders (strict): each task starts as soon as its
     inputs arrived and the stage's previous task ended."""
+    m = len(realization.forward[0][0])
     hint = OrderedHint("optimal", [list(order) for order in orders])
-    return simulate(ArbiterConfig(hint=hint, strict=True), topology, len(realization.forward[0][0]), realization,
-                    name="optimal", record_trace=record_trace)
+    config = ArbiterConfig(hint=hint, strict=True, buffer_limit=m * topology.num_chunks)  # strict: its own memory
+    return simulate(config, topology, m, realization, name="optimal", record_trace=record_trace)
 
 
 class _Model:
@@ -286,22 +287,28 @@ def optimal_schedule(realization: Realization, topology: Topology, *, buffer_lim
                    lower_bound=lower_bound)
     starts = [orders for orders in (_as_split(o, split_backward) for o in warm_start)
               if max(peak_in_flight(order) for order in orders) <= cap]
-    if starts:
-        runs = [replay(orders, topology, times, record_trace=True) for orders in starts]
-        model.hint(min(runs, key=lambda run: run.makespan).trace)
+    warm = min((replay(orders, topology, times, record_trace=True) for orders in starts),
+               key=lambda run: run.makespan, default=None)
+    if warm is not None:
+        model.hint(warm.trace)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = int(workers)
     status = solver.Solve(model.model)
     seconds = time.perf_counter() - began
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    if not found and warm is None:
         raise RuntimeError(f"--optimal: the solver found no schedule in {time_limit_s:g} s "
                            f"({solver.StatusName(status)}); raise its time limit (--optimal-time-limit)")
-    orders = model.orders(solver)
-    return Optimum(makespan=replay(orders, topology, realization).makespan,
-                   solver_makespan=solver.ObjectiveValue() / scale, solver_bound=solver.BestObjectiveBound() / scale,
-                   proven=status == cp_model.OPTIMAL, orders=orders, seconds=seconds,
-                   split_backward=split_backward, cap=cap, scale=scale)
+    candidates = [model.orders(solver)] if found else []
+    if warm is not None and status != cp_model.OPTIMAL:  # stopped unproven: the warm start where it is better
+        candidates.append(warm.orders)
+    makespan, orders = min(((replay(o, topology, realization).makespan, o) for o in candidates),
+                           key=lambda item: item[0])
+    return Optimum(makespan=makespan,
+                   solver_makespan=solver.ObjectiveValue() / scale if found else warm.makespan,
+                   solver_bound=solver.BestObjectiveBound() / scale, proven=status == cp_model.OPTIMAL,
+                   orders=orders, seconds=seconds, split_backward=split_backward, cap=cap, scale=scale)
 
 
 def check_study(config, limits: Sequence) -> None:
