@@ -59,10 +59,12 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
     return parser
 
 
-def validate_rrfp_arguments(args: argparse.Namespace, *, notes: Optional[list] = None) -> Optional[RRFPConfig]:
+def validate_rrfp_arguments(args: argparse.Namespace, *, notes: Optional[list] = None,
+                            megatron_lm: bool = True) -> Optional[RRFPConfig]:
     """Check the flags and build the executor options once (the hint parsed and kept).
     Returns the options when rrfp is selected, None for 1f1b. Raises ValueError naming
-    the flag and the fix; no silent fallback."""
+    the flag and the fix; no silent fallback. ``megatron_lm``: the flags are Megatron-LM's
+    (False: ``megatron-rrfp train``'s, which builds its own TransformerConfig)."""
     schedule = getattr(args, "pipeline_schedule", "1f1b")
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
@@ -79,6 +81,7 @@ def validate_rrfp_arguments(args: argparse.Namespace, *, notes: Optional[list] =
     if schedule != "rrfp":
         return None
     check_megatron_layout(config, args)
+    check_combined_steps(config, args, megatron_lm=megatron_lm)
     note = check_distributed_timeout(config, args)
     if note is not None and notes is not None:
         notes.append(note)
@@ -116,10 +119,6 @@ def check_distributed_timeout(config: RRFPConfig, args) -> Optional[str]:
 # Megatron-LM flags rrfp refuses (expert parallelism itself is supported: the agreement spans
 # every stage rank that shares an all-to-all, see runtime/agreement.py).
 REFUSED_FLAGS = {
-    "overlap_moe_expert_parallel_comm": "it is Megatron's combined-1F1B schedule (one microbatch's all-to-alls "
-                                        "overlapped with another's compute); rrfp runs one task at a time",
-    "delay_wgrad_compute": "it belongs to --overlap-moe-expert-parallel-comm; rrfp splits the backward itself "
-                           "(--rrfp-hint bfw / zbh1 / default)",
     "moe_shared_expert_overlap": "the shared experts' side-stream overlap is not verified under rrfp",
     "use_megatron_fsdp": "FSDP all-gathers parameters over data-parallel ranks inside every forward and backward, "
                          "which rrfp's agreement does not span",
@@ -134,6 +133,37 @@ REFUSED_FLAGS = {
                                        "not verified under rrfp (HybridEP needs GPUs); drop it (dropless "
                                        "dispatch) or use --pipeline-schedule 1f1b",
 }
+
+
+def check_combined_steps(config: RRFPConfig, args, *, megatron_lm: bool = True) -> None:
+    """--overlap-moe-expert-parallel-comm under rrfp: megatron-core's combined step for every F and B,
+    a ready forward paired with a ready backward. Refused, in one line, where it cannot run: a hint that
+    splits the backward; --delay-wgrad-compute on a megatron-core whose own (non-TE) linears lack
+    backward_dw; under Megatron-LM a pipeline without virtual stages (megatron-core's TransformerConfig,
+    which Megatron-LM builds from the flags, asserts them with this flag at PP > 1)."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return
+    hint = config.arbiter.parsed_hint
+    if hint.name != "default" and hint.split_backward:
+        raise ValueError(f"--rrfp-hint {hint.name} splits the backward into B and W, while megatron-core's combined "
+                         "step runs each layer's whole backward (--overlap-moe-expert-parallel-comm): use "
+                         "--rrfp-hint default, bf or 1f1b")
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    virtual = any(getattr(args, name, None) is not None for name in (
+        "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout"))
+    if megatron_lm and isinstance(pp, int) and pp > 1 and not virtual:
+        raise ValueError("--overlap-moe-expert-parallel-comm with --pipeline-schedule rrfp under Megatron-LM needs "
+                         "--virtual-pipeline-model-parallel-size (or --num-layers-per-virtual-pipeline-stage) at "
+                         "--pipeline-model-parallel-size > 1: megatron-core's TransformerConfig asserts it when "
+                         "Megatron-LM builds the model; megatron-rrfp train pairs without virtual stages")
+    if getattr(args, "delay_wgrad_compute", False) and getattr(args, "transformer_impl", "local") == "local":
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        if not hasattr(RowParallelLinear, "backward_dw"):
+            raise ValueError("--delay-wgrad-compute calls backward_dw() on every linear, which this megatron-core "
+                             "release defines only for Transformer Engine's: use --transformer-impl "
+                             "transformer_engine, megatron-core >= 0.19, or drop --delay-wgrad-compute")
 
 
 def check_megatron_layout(config: RRFPConfig, args: argparse.Namespace) -> None:

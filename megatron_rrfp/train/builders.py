@@ -49,7 +49,12 @@ def transformer_config(cfg):
         sizes.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     if getattr(cfg, "sequence_parallel", False):
         sizes.update(sequence_parallel=True)
-    return models.tiny_gpt_config(**sizes, **moe_options(cfg))
+    config = models.tiny_gpt_config(**sizes, **moe_options(cfg))
+    if getattr(cfg, "overlap_moe_expert_parallel_comm", False):
+        # set after the config is built: its bf16/fp16 assertion (validated by train for GPUs) would refuse CPU fp32
+        config.overlap_moe_expert_parallel_comm = True
+        config.delay_wgrad_compute = bool(getattr(cfg, "delay_wgrad_compute", False))
+    return config
 
 
 def moe_options(c) -> dict:

@@ -117,6 +117,15 @@ class TrainConfig:
     moe_token_dispatcher_type: str = _flag("allgather", "MoE: token dispatcher", "mixture of experts",
                                            choices=("allgather", "alltoall"))
     moe_aux_loss_coeff: float = _flag(0.0, "MoE: load-balancing aux-loss coefficient", "mixture of experts")
+    overlap_moe_expert_parallel_comm: bool = _flag(
+        False, "MoE: megatron-core's combined forward-backward step, one microbatch's all-to-alls beside another's "
+        "compute (EP > 1, alltoall). Megatron's schedule: interleaved only (with PP > 1); rrfp pairs a ready "
+        "forward with a ready backward, with or without interleaving. On CPU (fp32) the flag is set after "
+        "megatron-core's bf16/fp16 check, which is about GPU kernels", "mixture of experts", action="store_true")
+    delay_wgrad_compute: bool = _flag(
+        False, "MoE: with --overlap-moe-expert-parallel-comm, each layer's weight gradients after its backward "
+        "inside the combined step (megatron-core >= 0.19 with the local spec)", "mixture of experts",
+        action="store_true")
     # production parallelism (Megatron-LM's names): one group, kept together
     sequence_parallel: bool = _flag(False, "Megatron-LM's --sequence-parallel: shard norms/dropout activations over "
                                     "TP (needs --tensor-model-parallel-size > 1)", "production parallelism",
@@ -259,7 +268,7 @@ def to_argv(config: TrainConfig, *, skip: tuple[str, ...] = ("nproc",)) -> list[
 def validate(c: TrainConfig, *, world_size: Optional[int] = None) -> None:
     """Raise ValueError naming the flag and the values; ``world_size`` adds the layout checks."""
     check_fields(c, BOUNDS, FLAGS)
-    validate_rrfp_arguments(c)
+    validate_rrfp_arguments(c, megatron_lm=False)
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     _require(c.hidden_size % c.num_attention_heads == 0,
              f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {c.num_attention_heads}")
@@ -392,6 +401,37 @@ def _check_moe(c: TrainConfig) -> None:
     _require(c.model in ("gpt", "hybrid"), "--num-experts is offered for --model gpt and hybrid (E layers)")
     _require(experts % ep == 0, f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(c.moe_router_topk <= experts, f"--moe-router-topk {c.moe_router_topk} exceeds --num-experts {experts}")
+    _check_combined(c)
+
+
+def _check_combined(c: TrainConfig) -> None:
+    """--overlap-moe-expert-parallel-comm / --delay-wgrad-compute: megatron-core's own conditions (its
+    TransformerConfig asserts them), and what each schedule can run."""
+    overlap, pp = c.overlap_moe_expert_parallel_comm, c.pipeline_model_parallel_size
+    _require(not c.delay_wgrad_compute or overlap,
+             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (megatron-core's rule)")
+    if not overlap:
+        return
+    _require(c.expert_model_parallel_size > 1 and c.moe_token_dispatcher_type == "alltoall",
+             "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1 and "
+             f"--moe-token-dispatcher-type alltoall (got {c.expert_model_parallel_size}, "
+             f"{c.moe_token_dispatcher_type})")
+    _require(c.model == "gpt", "--overlap-moe-expert-parallel-comm is offered for --model gpt")
+    _require(c.cpu or c.bf16, "--overlap-moe-expert-parallel-comm needs --bf16 on a GPU (megatron-core's rule)")
+    _require(c.pipeline_schedule == "rrfp" or pp < 2 or c.virtual_pipeline_model_parallel_size is not None,
+             f"--overlap-moe-expert-parallel-comm with --pipeline-schedule {c.pipeline_schedule} and "
+             f"--pipeline-model-parallel-size {pp} needs --virtual-pipeline-model-parallel-size (Megatron's combined "
+             "1F1B exists only for its interleaved schedule); --pipeline-schedule rrfp pairs without it")
+    _require(c.pipeline_schedule != "rrfp" or c.rrfp_hint not in ("bfw", "zbh1"),
+             f"--rrfp-hint {c.rrfp_hint} splits the backward into B and W, while megatron-core's combined step "
+             "runs each layer's whole backward (--overlap-moe-expert-parallel-comm): use default, bf or 1f1b")
+    if c.delay_wgrad_compute:
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        _require(hasattr(RowParallelLinear, "backward_dw"),
+                 "--delay-wgrad-compute calls backward_dw() on every linear, which this megatron-core release "
+                 "defines only for Transformer Engine's (train builds the local spec): drop --delay-wgrad-compute "
+                 "or use megatron-core >= 0.19")
 
 
 def _default_heads(tp: int, hidden: Optional[int]) -> int:

@@ -55,3 +55,101 @@ def test_paired_rrfp_without_interleaving_equals_megatron_1f1b():
              dict(num_microbatches=6, iterations=1, hint="bf", buffer_limit=3, delay_wgrad=delay)]
     results = launch(compare_combined_cases, world_size=4, pp=2, ep=2, timeout=360, args=(cases,))
     _check(results, {"plain"})
+
+
+MOE_TRAIN = ["--cpu", "--nproc", "4", "--pipeline-model-parallel-size", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0",
+             "--train-iters", "3", "--log-interval", "1", "--num-experts", "4", "--expert-model-parallel-size", "2",
+             "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _logged(result) -> dict[int, tuple[float, float]]:
+    """(lm loss, grad norm) per logged iteration."""
+    from helpers.train_cli import LOSS_LINE, losses
+
+    losses(result)  # asserts the run succeeded
+    return {int(m.group(1)): (float(m.group(7)), float(m.group(8))) for m in LOSS_LINE.finditer(result.stdout)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() == {1, 2, 3} and all(
+        abs(x - y) <= 1e-5 * max(1.0, abs(x)) for i in a for x, y in zip(a[i], b[i]))
+
+
+def _trace_pairs(trace_dir) -> set[str]:
+    import json
+
+    names = set()
+    for path in trace_dir.glob("*.json"):
+        events = json.loads(path.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        names |= {e["name"] for e in events if "+" in str(e.get("name", ""))}
+    return names
+
+
+def _combined_flags() -> list[str]:
+    return ["--overlap-moe-expert-parallel-comm"] + (["--delay-wgrad-compute"]
+                                                     if _delay_wgrad_runs_on_the_local_spec() else [])
+
+
+@pytest.mark.timeout(400)
+def test_train_combined_rrfp_without_virtual_stages_logs_megatron_1f1b(tmp_path):
+    from helpers.train_cli import train
+
+    flags = [*MOE_TRAIN, "--num-layers", "2"]
+    rrfp = _logged(train(*flags, "--pipeline-schedule", "rrfp", *_combined_flags(), "--rrfp-trace-dir",
+                         str(tmp_path), timeout=200))
+    megatron = _logged(train(*flags, "--pipeline-schedule", "1f1b", timeout=200))
+    assert _same(rrfp, megatron), (rrfp, megatron)
+    assert _trace_pairs(tmp_path), "the executed order holds no pair"
+
+
+@pytest.mark.timeout(600)
+def test_train_combined_rrfp_interleaved_logs_megatron_combined_1f1b_and_interleaved(tmp_path):
+    from helpers.train_cli import train
+
+    flags = [*MOE_TRAIN, "--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"]
+    rrfp = _logged(train(*flags, "--pipeline-schedule", "rrfp", *_combined_flags(), "--rrfp-trace-dir",
+                         str(tmp_path), timeout=200))
+    combined = _logged(train(*flags, "--pipeline-schedule", "1f1b", *_combined_flags(), timeout=200))
+    interleaved = _logged(train(*flags, "--pipeline-schedule", "1f1b", timeout=200))
+    assert _same(rrfp, combined) and _same(combined, interleaved), (rrfp, combined, interleaved)
+    assert _trace_pairs(tmp_path), "the executed order holds no pair"
+
+
+def test_train_refuses_what_combined_steps_cannot_run_before_any_rank_starts():
+    from megatron_rrfp.train.config import TrainConfig, validate
+
+    moe = dict(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall", cpu=True,
+               pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="needs --virtual-pipeline-model-parallel-size.*rrfp pairs without it"):
+        validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, pipeline_schedule="1f1b"))
+    with pytest.raises(ValueError, match="--rrfp-hint bfw splits the backward"):
+        validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, pipeline_schedule="rrfp", rrfp_hint="bfw"))
+    with pytest.raises(ValueError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
+        validate(TrainConfig(**moe, delay_wgrad_compute=True, pipeline_schedule="rrfp"))
+    with pytest.raises(ValueError, match="alltoall"):
+        validate(TrainConfig(**{**moe, "moe_token_dispatcher_type": "allgather"}, overlap_moe_expert_parallel_comm=True,
+                             pipeline_schedule="rrfp"))
+    validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, pipeline_schedule="rrfp"))  # accepted
+    if not _delay_wgrad_runs_on_the_local_spec():
+        with pytest.raises(ValueError, match="backward_dw"):
+            validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True,
+                                 pipeline_schedule="rrfp"))
+
+
+def test_megatron_lm_flags_accept_the_overlap_with_virtual_stages_and_say_why_not_without():
+    import argparse
+
+    from megatron_rrfp.megatron_lm.flags import add_rrfp_arguments, validate_rrfp_arguments
+
+    parser = add_rrfp_arguments(argparse.ArgumentParser())
+    base = ["--pipeline-schedule", "rrfp"]
+    args = parser.parse_args(base)
+    args.__dict__.update(overlap_moe_expert_parallel_comm=True, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, transformer_impl="transformer_engine")
+    assert validate_rrfp_arguments(args) is not None
+    args.virtual_pipeline_model_parallel_size = None
+    with pytest.raises(ValueError, match="under Megatron-LM needs --virtual-pipeline-model-parallel-size"):
+        validate_rrfp_arguments(args)

@@ -82,12 +82,14 @@ class EmulatedJob:
     buckets: int = 2  # chunk 0's DDP buckets; later chunks have one (Megatron-LM's disable_bucketing)
     straggler: float = 1.0  # each (pipeline, stage) runs its device work at a speed factor in [1/x, x]
     dp_after_loop: bool = False  # --rrfp-dp-overlap after-loop: all-gathers before the loop, reductions after it
+    pair: bool = False  # ArbiterConfig.pair_forward_backward: a ready F and B run as one combined step
 
     def describe(self) -> str:
         dp = (f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
               + (" grad-reduce" if self.overlap_grad_reduce else "")
               + (" param-gather" if self.overlap_param_gather else "")
               + (" after-loop" if self.dp_after_loop else "")) if self.dp > 1 else ""
+        dp += " paired" if self.pair else ""
         return (f"PP={self.pp} TP={self.tp}{dp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
                 f"limit={self.buffer_limit} {self.protocol} seed={self.seed}")
 
@@ -108,6 +110,7 @@ class EmulatedOutcome:
     error: str
     orders: dict  # rank -> [order per iteration]
     wall_s: float
+    pairs: int = 0  # combined F+B steps run, over every rank and iteration
 
 
 class EmulatedWork:
@@ -131,6 +134,7 @@ class EmulatedWork:
         self.finals, self.rng = finals, rng
         self.dp_ops, self.ep_ops, self.split, self.speed = dp_ops, ep_ops, split, speed  # speed: a time factor
         self.saved: dict = {}
+        self.pairs_run = 0
         self.start_iteration()
 
     def start_iteration(self) -> None:
@@ -208,6 +212,64 @@ class EmulatedWork:
             self._dp("reduce", task.chunk)
         if send is not None:
             send(grad)
+
+    def pair(self, forward, backward) -> None:
+        """A combined step (``ArbiterConfig.pair_forward_backward``): both halves' ops on the one queue in
+        the order megatron-core's layer schedule issues them — B's combine all-to-all, F's attention, B's
+        expert compute, F's dispatch all-to-all (after the dispatcher's host sync), B's dispatch all-to-all,
+        F's expert compute and combine all-to-all, B's attention — each all-to-all beside the other half's
+        compute. Every EP replica runs the same pair (the agreement), so the all-to-alls match."""
+        (f_task, f_in, f_send), (b_task, b_grad, b_send) = forward, backward
+        self.pairs_run += 1
+        out, grad = self.device.empty((2,), torch.float32), self.device.empty((2,), torch.float32)
+        b_out = self.saved.pop((b_task.microbatch, b_task.chunk))
+        f_first = self.topology.is_first(self.stage, f_task.chunk)
+        b_last, b_first = self.topology.is_last(self.stage, b_task.chunk), self.topology.is_first(self.stage,
+                                                                                                   b_task.chunk)
+        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.dp_after_loop
+                and f_task.chunk not in self._f_seen):
+            self._f_seen.add(f_task.chunk)
+            if self.topology.num_chunks == 1:
+                self._dp("gather", 0)
+            elif 1 < f_task.chunk + 1 < self.topology.num_chunks:
+                self._dp("gather", f_task.chunk + 1)
+
+        def run_forward(x=f_in, mb=f_task.microbatch):
+            out.copy_((torch.full((2,), float(mb)) if f_first else x) + 1)
+
+        def run_backward(g=b_grad, mb=b_task.microbatch):
+            grad.copy_(b_out * 10 if b_last else g + 1)
+            if b_first:
+                self.finals[mb] = float(grad[0])
+
+        time.sleep(self.rng.random() * self.job.host_jitter_ms / 1000)
+        lo, hi = self.job.task_ms
+        f_time = self.speed * self.rng.uniform(lo, hi) / 1000
+        b_time = 2.0 * self.speed * self.rng.uniform(lo, hi) / 1000
+        rank, ep = self.device.rank, self.ep_ops
+        if ep is not None:
+            ep.collective(rank, ("all-to-all", "B", 1))  # B's combine, beside F's attention
+        self.device.compute(f_time / 2, run_forward)
+        self.tp_ops.all_reduce(rank)
+        self.device.compute(b_time / 2, run_backward)
+        self.tp_ops.all_reduce(rank)
+        if ep is not None:
+            ep.collective(rank, ("counts",))
+            if not self.device.mark().synchronize(self.job.timeout_s):
+                raise TimeoutError(f"rank {rank}: the MoE dispatcher's host sync timed out")
+            ep.collective(rank, ("all-to-all", "F", 0))
+            ep.collective(rank, ("all-to-all", "B", 0))
+            self.device.compute(f_time / 4)
+            ep.collective(rank, ("all-to-all", "F", 1))
+        self.device.compute(f_time / 2 + b_time / 2)
+        self.saved[(f_task.microbatch, f_task.chunk)] = out
+        self._b_left[b_task.chunk] -= 1
+        if self._reduces_now() and not self.split and self._b_left[b_task.chunk] == 0:
+            self._dp("reduce", b_task.chunk)
+        if f_send is not None:
+            f_send(out)
+        if b_send is not None:
+            b_send(grad)
 
     def weight(self, task: Task) -> None:
         self._work(1.0, None)
@@ -328,7 +390,9 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
     ep_ops = {(s, t, g): TPGroupOps(fabric, f"ep{s}.{t}.{g}", [rank_of(s, t, r) for r in range(g * job.ep,
                                                                                             (g + 1) * job.ep)])
               for s in range(job.pp) for t in range(job.tp) for g in range(job.dp // job.ep)} if job.ep > 1 else {}
-    plan = Plan.build(ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit), topology, job.microbatches)
+    plan = Plan.build(ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit, pair_forward_backward=job.pair,
+                                    split_backward_ok=not job.pair), topology, job.microbatches)
+    works: list = []
     finals: dict = {r: {} for r in range(job.dp)}
     orders: dict = {r: [] for r in ranks}
     errors: dict = {}
@@ -358,6 +422,7 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
         work = EmulatedWork(job, device, tp_ops[(stage, replica)], topology, stage,
                             finals[replica] if t == 0 else {}, rng, dp_ops=dp_ops.get((stage, t)),
                             ep_ops=ep_ops.get((stage, t, replica // job.ep)), split=split, speed=pace)
+        works.append(work)
         collective = ThreadCollective(groups[(stage, replica // span)], (replica % span) * job.tp + t)
         try:
             for iteration in range(job.iterations):
@@ -410,7 +475,8 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
                if "device deadlock" not in str(e) and "mismatched collective" not in str(e)]
         problems = own[:1] + [str(fabric.error)]
     return EmulatedOutcome(job=job, completed=not problems, deadlock=deadlock and len(problems) == 1,
-                           error="; ".join(problems), orders=orders, wall_s=wall)
+                           error="; ".join(problems), orders=orders, wall_s=wall,
+                           pairs=sum(work.pairs_run for work in works))
 
 
 def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), chunks=(1, 2, 3, 4),
@@ -465,6 +531,23 @@ def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0
     return jobs
 
 
+def paired_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
+    """``count`` random jobs whose stages pair a ready F with a ready B (megatron-core's combined step,
+    ``--overlap-moe-expert-parallel-comm``): MoE with EP=2 (all-to-alls in both halves of a pair, the
+    dispatcher's host sync) in most, TP=2, with and without chunks, the hints that pair (no W)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        pp, chunks = rng.choice((2, 3, 4)), rng.choice((1, 1, 2, 3))
+        microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6, 8))
+        ep = rng.choice((1, 2, 2))
+        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches, hint=rng.choice(("bf", "1f1b")),
+                                buffer_limit=rng.choice((2, 4, 32)), protocol=protocol, seed=seed * 1000 + i,
+                                task_ms=(0.2, rng.choice((1.0, 3.0))), host_jitter_ms=rng.choice((0.2, 1.0, 3.0)),
+                                channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s, dp=2 if ep > 1 else 1,
+                                ep=ep, pair=True, straggler=rng.choice((1.0, 3.0)) if ep > 1 else 1.0))
+    return jobs
+
+
 __all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "dp_stress_jobs",
-           "random_jobs",
-           "run_emulated"]
+           "paired_jobs", "random_jobs", "run_emulated"]
