@@ -7,11 +7,11 @@
 Every step prints PASS / FAIL / SKIP with a one-line diagnosis; a hung step prints every
 thread's stack and exits. ``--steps a,b`` runs a subset, ``--json PATH`` writes the
 results. Without CUDA it says so and exits 0. The steps are described in
-``megatron_rrfp/verify/selfcheck.py``.
+``megatron_rrfp/selfcheck/cli.py``.
 """
 import sys
 
-from megatron_rrfp.verify.selfcheck import main
+from megatron_rrfp.selfcheck.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -129,13 +129,12 @@ def test_lockstep_cost_script_prints_no_cost_without_jitter(capsys):
 def _production_steps_on_cpu() -> list:
     import torch.distributed as dist
 
-    from megatron_rrfp.verify.selfcheck import PRODUCTION_STEPS
-    from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
+    from megatron_rrfp.selfcheck.equivalence import PRODUCTION_STEPS, gpt_equivalence
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
     # the DP-overlap step as CUDA runs it by default: DP communication out of the loop (named: CPU needs no rule)
     after_loop = {**PRODUCTION_STEPS["production-dp-overlap-pp2-chunks2"], "dp_overlap": "after-loop"}
-    return [compare_with_megatron(ctx, iterations=2, num_microbatches=4, device="cpu", **layout)
+    return [gpt_equivalence(ctx, iterations=2, num_microbatches=4, device="cpu", **layout)
             for layout in (PRODUCTION_STEPS["production-bf16-dp-overlap-pp2-chunks2"],
                            PRODUCTION_STEPS["production-moe-ep2-pp2"], after_loop)]
 

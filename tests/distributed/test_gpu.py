@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 scripts/gpu_selfcheck.py     # first
     python -m pytest -q -m cuda tests/distributed/test_gpu.py              # then these
 
-Each test runs steps of the self-check (``megatron_rrfp/verify/selfcheck.py``) under
+Each test runs steps of the self-check (``megatron_rrfp/selfcheck/``) under
 torchrun in a subprocess, so NCCL, the devices and the processes are real: equivalence
 with Megatron's 1F1B at PP=2 over NCCL, the stage's peak memory (torch.cuda
 max_memory_allocated) against 1F1B, the NCCL rounds transport under stress, and BFW under
@@ -76,7 +76,7 @@ def _stress_on_cpu() -> str:
     import torch
     import torch.distributed as dist
 
-    from megatron_rrfp.verify.selfcheck import stress
+    from megatron_rrfp.selfcheck.stress import stress
 
     return stress({"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}, device=torch.device("cpu"))
 
@@ -84,13 +84,13 @@ def _stress_on_cpu() -> str:
 def _equivalence_on_cpu() -> list:
     import torch.distributed as dist
 
-    from megatron_rrfp.verify.selfcheck_gpt import compare_with_megatron
+    from megatron_rrfp.selfcheck.equivalence import gpt_equivalence
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
     # hint bf: no split backward here (the self-check was written where the split failed on
     # megatron-core 0.19, _DeferrableLinearBackward's gradient count; tests/distributed/test_wgrad.py covers the split)
-    return [compare_with_megatron(ctx, tp=2, pp=2, iterations=2, num_microbatches=4, device="cpu", hint="bf"),
-            compare_with_megatron(ctx, tp=2, pp=2, chunks=2, iterations=2, num_microbatches=4, device="cpu",
+    return [gpt_equivalence(ctx, tp=2, pp=2, iterations=2, num_microbatches=4, device="cpu", hint="bf"),
+            gpt_equivalence(ctx, tp=2, pp=2, chunks=2, iterations=2, num_microbatches=4, device="cpu",
                                   hint="bf")]
 
 
@@ -128,7 +128,7 @@ def test_queue_serialization_probe_fails_when_its_clock_is_not_real():
     """The probe's verdict from its figures (device seconds by CUDA events, the host's clock,
     the calibrated sleep's clock rate): a sleep that took no device time, a host that did not
     wait for the kernel, or a clock far from the device's nominal one is a FAIL, not a verdict."""
-    from megatron_rrfp.verify.selfcheck import _SERIALIZATION_PROBE, judge_serialization_probe
+    from megatron_rrfp.selfcheck.device import _SERIALIZATION_PROBE, judge_serialization_probe
 
     compile(_SERIALIZATION_PROBE, "probe", "exec")
     real = dict(requested_s=0.5, cycles=990_000_000, rate_hz=1.98e9, nominal_hz=1.98e9, kernel_s=0.501,
@@ -148,7 +148,8 @@ def test_queue_serialization_probe_fails_when_its_clock_is_not_real():
 
 def test_selfcheck_parses_imports_and_refuses_unknown_steps():
     compile(SCRIPT.read_text(encoding="utf-8"), str(SCRIPT), "exec")
-    from megatron_rrfp.verify import selfcheck, selfcheck_gpt, selfcheck_loopback  # noqa: F401
+    from megatron_rrfp.selfcheck import cli as selfcheck
+    from megatron_rrfp.selfcheck import device, equivalence, loopback, stress, te  # noqa: F401
 
     assert set(selfcheck.GPUS_NEEDED) <= set(selfcheck.STEPS_MULTI_GPU)
     needed = selfcheck.GPUS_NEEDED

@@ -276,7 +276,7 @@ def test_megatron_pp2_gradients_equal_sequential_run(vpp, sequential):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_the_gpu_selfcheck_never_waits_on_a_failed_rank_and_names_it(mode, tmp_path):
-    """The self-check's runner (verify/selfcheck_runner.py, as scripts/gpu_selfcheck.py
+    """The self-check's runner (selfcheck/runner.py, as scripts/gpu_selfcheck.py
     runs it) on 2 gloo ranks: rank 1 raises in a multi-rank step (or hangs in it) while rank 0
     waits in that step's all-reduce. Rank 0 leaves at once after the failure (after the 5 s
     step timeout for a hang), names rank 1 (the unfinished ranks), prints the verdict and

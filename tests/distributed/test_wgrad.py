@@ -413,7 +413,7 @@ def split_fallback_suite() -> dict:
     _break_split_contract()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        default = equivalence.compare_with_megatron(equivalence.Case(model="gpt", iterations=2, hint="default"))
+        default = equivalence.run_case(equivalence.Case(model="gpt", iterations=2, hint="default"))
     case = equivalence.Case(model="gpt", hint="zbh1")
     model = equivalence._build(case, data_parallel=1)
     forwards = []

@@ -1,11 +1,12 @@
-"""RRFP vs megatron-core's own schedule, same model, data and seeds, inside one launch.
+"""RRFP vs megatron-core's own schedule, same model, data and seeds, inside one launch: the cases.
 
-``compare_with_megatron(case)`` runs on every rank (via ``dist.launcher.launch``): it builds two
-identical copies of a model stage, trains one with megatron-core's 1F1B schedule and
-the other with ``forward_backward_rrfp`` under injected random delays, and returns the
-largest relative differences of losses and gradients plus the orders RRFP executed.
-Data parallelism uses megatron-core's DistributedDataParallel with its ``no_sync`` and
-``finalize_model_grads`` hooks, as Megatron-LM's training loop does.
+``run_case(case)`` runs on every rank (via ``dist.launcher.launch``): it builds two identical
+copies of a model stage (GPT, MLP, multimodal, MoE), and the package's
+``selfcheck.equivalence.compare_with_megatron`` trains one with megatron-core's 1F1B schedule and
+the other with ``forward_backward_rrfp`` under injected random delays; it returns the largest
+relative differences of losses and gradients plus the orders RRFP executed. Data parallelism
+uses megatron-core's DistributedDataParallel with its ``no_sync`` and ``finalize_model_grads``
+hooks, as Megatron-LM's training loop does.
 """
 from __future__ import annotations
 
@@ -64,16 +65,6 @@ class Case:
     change it from one call to the next (default: ``num_microbatches`` every iteration)."""
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = a.abs().max().item()
-    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
-def _mean_loss(losses: list, key: str) -> float:
-    """Token-weighted mean of per-microbatch [summed loss, tokens] reports."""
-    return sum(float(x[key][0]) for x in losses) / max(1, sum(float(x[key][1]) for x in losses))
-
-
 def _build(case: Case, data_parallel: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -126,28 +117,6 @@ def moe_options(grouped: bool = False) -> dict:
                 moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, param in model.named_parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = param.grad if grad is None else grad
-        out[name] = torch.zeros_like(param) if grad is None else grad.detach().clone()
-    return out
-
-
-def _zero_grads(model) -> None:
-    if hasattr(model, "zero_grad_buffer"):
-        model.zero_grad_buffer()
-    for param in model.parameters():
-        param.grad = None
-
-
-def _sgd_step(model, lr: float) -> None:
-    with torch.no_grad():
-        for param, grad in zip(model.parameters(), _grads(model).values()):
-            param -= lr * grad
-
-
 def _data(case: Case, iteration: int):
     from megatron_rrfp.train import models
 
@@ -180,18 +149,18 @@ def _variable_length_mlp_batches(case: Case, seed: int):
         yield {"inputs": torch.randn(shape, generator=generator), "targets": torch.randn(shape, generator=generator)}
 
 
-def compare_with_megatron(case: Case) -> dict:
+def run_case(case: Case) -> dict:
+    """``compare_with_megatron`` on ``case``'s model; what the tests assert, as a dict."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
     from megatron_rrfp.policy.hints import megatron_1f1b_order
     from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.selfcheck.equivalence import compare_with_megatron
     from megatron_rrfp.train import models
 
     enable_cpu_reference_schedules()
@@ -214,45 +183,23 @@ def compare_with_megatron(case: Case) -> dict:
                             timeout_s=case.timeout_s, transport=case.transport, dp_overlap=case.dp_overlap,
                             around_task=sleep_before_tasks(task_delay), deliver_message=late)
     launches = _record_bucket_launches(candidate, tasks_started)
+    launch_log: list = []
+
+    def after_iteration(iteration: int) -> None:  # the bucket launches of this iteration's RRFP run
+        launch_log.append({"launched_at_task": list(launches), "tasks": tasks_started[0]})
+        tasks_started[0] = 0
+        launches.clear()
+
     stage = parallel_state.get_pipeline_model_parallel_rank()
     topology = Topology(parallel_state.get_pipeline_model_parallel_world_size())
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, topology, case.num_microbatches)))
-    loss_err = grad_err = 0.0
-    losses_ref, losses_rrfp, orders, wgrad_bytes, agree_rounds, launch_log = [], [], [], 0, 0, []
-    unsplit = 0  # B the byte budget ran unsplit (their W a no-op)
-    for iteration in range(case.iterations):
-        m = case.microbatches_per_iteration[iteration] if case.microbatches_per_iteration else case.num_microbatches
-        results = []
-        tasks_started[0] = 0
-        launches.clear()
-        for model, schedule, extra in ((reference, forward_backward_pipelining_without_interleaving, {}),
-                                       (candidate, forward_backward_rrfp, {"rrfp_config": options})):
-            _zero_grads(model)
-            with torch.set_grad_enabled(not case.forward_only):
-                losses = schedule(forward_step_func=forward_step, data_iterator=_data(case, iteration), model=model,
-                                  num_microbatches=m, seq_length=case.seq_length,
-                                  micro_batch_size=case.micro_batch_size, forward_only=case.forward_only, **extra)
-            results.append((losses, None if case.forward_only else _grads(model)))
-        (ref_losses, ref_grads), (our_losses, our_grads) = results
-        launch_log.append({"launched_at_task": list(launches), "tasks": tasks_started[0]})
-        report = last_iteration_report()
-        orders.append(report.order_string)
-        agree_rounds += report.agree_rounds
-        unsplit += report.unsplit_backwards
-        wgrad_bytes = max(wgrad_bytes, report.peak_deferred_wgrad_bytes)
-        if len(ref_losses) != len(our_losses):
-            raise AssertionError(f"rank {rank}: {len(our_losses)} losses vs megatron's {len(ref_losses)}")
-        for a, b in zip(ref_losses, our_losses):
-            for key in a:
-                loss_err = max(loss_err, _relative(a[key], b[key]))
-        if ref_losses:
-            key = next(iter(ref_losses[0]))
-            losses_ref.append(_mean_loss(ref_losses, key))
-            losses_rrfp.append(_mean_loss(our_losses, key))
-        if not case.forward_only:
-            grad_err = max([grad_err] + [_relative(ref_grads[n], our_grads[n]) for n in ref_grads])
-            _sgd_step(reference, case.learning_rate)
-            _sgd_step(candidate, case.learning_rate)
+    found = compare_with_megatron(
+        [reference], [candidate], forward_step=forward_step, data=lambda iteration: _data(case, iteration),
+        microbatches=[case.microbatches_per_iteration[i] if case.microbatches_per_iteration else case.num_microbatches
+                      for i in range(case.iterations)],
+        seq_length=case.seq_length, micro_batch_size=case.micro_batch_size, rrfp_config=options,
+        learning_rate=case.learning_rate, forward_only=case.forward_only, after_iteration=after_iteration)
+    reports = found.reports
     calibrations = _calibrations()
     shutdown()
     grouped_te = None
@@ -261,11 +208,14 @@ def compare_with_megatron(case: Case) -> dict:
 
         grouped_te = grouped_experts_report(candidate)
     return {
-        "rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err,
-        "losses_megatron": losses_ref, "losses_rrfp": losses_rrfp, "orders": orders,
-        "megatron_order": megatron_order, "num_losses": len(losses_rrfp), "case": asdict(case),
-        "peak_deferred_wgrad_bytes": wgrad_bytes, "agree_rounds": agree_rounds, "bucket_launches": launch_log,
-        "grouped_te": grouped_te, "unsplit_backwards": unsplit, "calibrations": calibrations,
+        "rank": rank, "stage": stage, "loss_rel_err": found.loss_rel_err, "grad_rel_err": found.grad_rel_err,
+        "losses_megatron": found.losses_megatron, "losses_rrfp": found.losses_rrfp,
+        "orders": [r.order_string for r in reports], "megatron_order": megatron_order,
+        "num_losses": len(found.losses_rrfp), "case": asdict(case),
+        "peak_deferred_wgrad_bytes": max([0] + [r.peak_deferred_wgrad_bytes for r in reports]),
+        "agree_rounds": sum(r.agree_rounds for r in reports), "bucket_launches": launch_log,
+        "grouped_te": grouped_te, "unsplit_backwards": sum(r.unsplit_backwards for r in reports),
+        "calibrations": calibrations,
     }
 
 
@@ -299,7 +249,7 @@ def _record_bucket_launches(model, tasks_started: list) -> list:
 
 def run_cases(cases: list[Case]) -> list[dict]:
     """Several cases in one launch (process start-up dominates small runs on CPU)."""
-    return [compare_with_megatron(case) for case in cases]
+    return [run_case(case) for case in cases]
 
 
 def grouped_gemm_cases(cases: list[Case], te_versions: tuple[str, ...]) -> list[dict]:

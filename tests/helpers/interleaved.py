@@ -1,4 +1,5 @@
-"""RRFP vs megatron-core's *interleaved* schedule (model chunks), under random delays.
+"""RRFP vs megatron-core's *interleaved* schedule (model chunks), under random delays: the
+cases, compared by the package's ``selfcheck.equivalence.compare_with_megatron``.
 
 Runs on every rank of a ``launch(..., vpp=2)``. Megatron's interleaved reference uses
 non-batched p2p: at PP=2 its batched p2p gives silently wrong gradients
@@ -16,19 +17,18 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     """``microbatches``: each iteration's number of microbatches (default ``num_microbatches``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
 
     from megatron_rrfp.bench.hooks import sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
-    from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
     from megatron_rrfp.mcore.session import shutdown
     from megatron_rrfp.policy.hints import megatron_1f1b_order
     from megatron_rrfp.policy.topology import Topology
+    from megatron_rrfp.selfcheck.equivalence import compare_with_megatron
     from megatron_rrfp.train import models
 
     from . import mlp
-    from .equivalence import _grads, _relative, _sgd_step, _zero_grads, moe_options
+    from .equivalence import moe_options
 
     enable_cpu_reference_schedules()
     rank = dist.get_rank()
@@ -67,35 +67,14 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
                             around_task=sleep_before_tasks(task_delay))  # perturbs RRFP only
     stage = parallel_state.get_pipeline_model_parallel_rank()
     megatron_order = ",".join(map(str, megatron_1f1b_order(stage, Topology(pp, chunks), num_microbatches)))
-    loss_err = grad_err = 0.0
-    orders, num_losses, peaks = [], 0, []
-    for iteration in range(iterations):
-        microbatches_now = microbatches[iteration] if microbatches else num_microbatches
-        outs = []
-        for chunk_models, run, extra in ((reference, forward_backward_pipelining_with_interleaving, {}),
-                                         (candidate, forward_backward_rrfp, {"rrfp_config": options})):
-            for m in chunk_models:
-                _zero_grads(m)
-            losses = run(forward_step_func=step, data_iterator=data(iteration), model=chunk_models,
-                         num_microbatches=microbatches_now, seq_length=seq, micro_batch_size=mbs, **extra)
-            outs.append((losses, [_grads(m) for m in chunk_models]))
-        (ref_losses, ref_grads), (our_losses, our_grads) = outs
-        report = last_iteration_report()
-        orders.append(report.order_string)
-        peaks.append(report.peak_in_flight)
-        assert len(ref_losses) == len(our_losses), (len(ref_losses), len(our_losses))
-        num_losses += len(our_losses)
-        for a, b in zip(ref_losses, our_losses):
-            for key in a:
-                loss_err = max(loss_err, _relative(a[key], b[key]))
-        for ref_chunk, our_chunk in zip(ref_grads, our_grads):
-            grad_err = max([grad_err] + [_relative(ref_chunk[n], our_chunk[n]) for n in ref_chunk])
-        for chunk_models in (reference, candidate):
-            for m in chunk_models:
-                _sgd_step(m, 0.05)
+    found = compare_with_megatron(
+        reference, candidate, forward_step=step, data=data,
+        microbatches=[microbatches[i] if microbatches else num_microbatches for i in range(iterations)],
+        seq_length=seq, micro_batch_size=mbs, rrfp_config=options)
     shutdown()
-    return {"rank": rank, "stage": stage, "loss_rel_err": loss_err, "grad_rel_err": grad_err, "orders": orders,
-            "megatron_order": megatron_order, "num_losses": num_losses, "peak_in_flight": max(peaks),
+    return {"rank": rank, "stage": stage, "loss_rel_err": found.loss_rel_err, "grad_rel_err": found.grad_rel_err,
+            "orders": [r.order_string for r in found.reports], "megatron_order": megatron_order,
+            "num_losses": found.num_losses, "peak_in_flight": max(r.peak_in_flight for r in found.reports),
             "losses_megatron": [], "losses_rrfp": []}
 
 

@@ -13,7 +13,7 @@ and every head is a communication op waiting for its partner — and then fails 
 waiter (``on_abort`` callbacks) so the ranks' executors raise instead of hanging.
 
 ``EmulatedDevice`` (``rounds.Device``), ``EmulatedChannel`` (``rounds.HostChannel``, with
-random FIFO latency: the package's ``verify/host_channel.py``, which the self-check's loopback
+random FIFO latency: the package's ``selfcheck/host_channel.py``, which the self-check's loopback
 step uses too) and ``ThreadCollective`` (``agreement.Collective``) let the shipped
 ``RoundTransport``, ``TPAgreement`` and executor run on it unchanged, one thread per rank.
 Test code (tests/helpers/emulated_pipeline.py, tests/unit/test_transport_emulated.py), never run by
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rrfp.verify.host_channel import ChannelHub, EmulatedChannel
+from megatron_rrfp.selfcheck.host_channel import ChannelHub, EmulatedChannel
 
 
 class DeviceDeadlock(RuntimeError):

@@ -1,4 +1,4 @@
-"""A rank of the GPU self-check's runner (verify/selfcheck_runner.py) on CPU, started by
+"""A rank of the GPU self-check's runner (megatron_rrfp/selfcheck/runner.py) on CPU, started by
 ``launch`` (gloo): steps ``local`` (one rank's own work), then ``collective`` (multi-rank):
 rank 1 raises before the all-reduce (``fail``) or sleeps past the step timeout (``hang``)
 while rank 0 waits in the all-reduce, then ``after`` (multi-rank). Rank 0 prints the
@@ -9,8 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rrfp.verify.selfcheck import report
-from megatron_rrfp.verify.selfcheck_runner import Result, run_steps
+from megatron_rrfp.selfcheck.runner import Result, report, run_steps
 
 
 def selfcheck_ranks(mode: str, store_path: str, step_timeout_s: float) -> int:

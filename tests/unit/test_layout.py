@@ -76,22 +76,26 @@ def test_no_import_cycles():
 def test_layers_only_import_downwards():
     """policy <- sim <- runtime <- split / mcore <- megatron_lm: the policy never imports its
     simulator, the runtime never imports benchmarks or Megatron-LM, the B/W split (split/)
-    only megatron-core's adapter (mcore.compat) of the mcore layer."""
+    only megatron-core's adapter (mcore.compat) of the mcore layer; nothing in the package imports
+    the GPU self-check (selfcheck/), which imports no simulator, ledger or Megatron-LM layer."""
     forbidden = {
         "megatron_rrfp.policy": ("sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train", "goodput",
-                                 "trace", "verify"),
-        "megatron_rrfp.sim": ("runtime", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.runtime": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.split": ("sim", "runtime", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.mcore": ("sim", "megatron_lm", "bench", "train", "goodput", "verify"),
-        "megatron_rrfp.goodput": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "verify"),
-        "megatron_rrfp.bench": ("verify",),  # benchmarks measure; verification tools check
+                                 "trace", "selfcheck"),
+        "megatron_rrfp.sim": ("runtime", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "selfcheck"),
+        "megatron_rrfp.runtime": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "goodput", "selfcheck"),
+        "megatron_rrfp.split": ("sim", "runtime", "megatron_lm", "bench", "train", "goodput", "selfcheck"),
+        "megatron_rrfp.mcore": ("sim", "megatron_lm", "bench", "train", "goodput", "selfcheck"),
+        "megatron_rrfp.goodput": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "selfcheck"),
+        "megatron_rrfp.bench": ("selfcheck",),  # benchmarks measure; verification tools check
+        "megatron_rrfp.selfcheck": ("sim", "megatron_lm", "goodput", "trace"),  # checks megatron-core's path
     }
     for module, targets in _graph().items():
         for layer, banned in forbidden.items():
             if module == layer or module.startswith(layer + "."):
                 bad = [t for t in targets if any(t.startswith(f"megatron_rrfp.{b}") for b in banned)]
                 assert not bad, f"{module} imports {bad}"
+        if not module.startswith("megatron_rrfp.selfcheck"):  # not used by training: scripts/ run it
+            assert not [t for t in targets if t.startswith("megatron_rrfp.selfcheck")], module
         if module.startswith("megatron_rrfp.split"):
             of_mcore = {t for t in targets if t.startswith("megatron_rrfp.mcore")}
             assert of_mcore <= {"megatron_rrfp.mcore.compat", "megatron_rrfp.mcore"}, f"{module} imports {of_mcore}"
@@ -108,14 +112,18 @@ def test_the_cpu_shim_sits_below_the_schedule():
                               "megatron_rrfp.mcore")):
             assert not [t for t in targets if t.startswith("megatron_rrfp.cpu")], module
 
-def test_verification_tools_live_in_verify_and_bench_keeps_benchmarks():
-    verify = {p.name for p in (PACKAGE / "verify").glob("*.py")}
-    assert {"selfcheck.py", "selfcheck_gpt.py", "selfcheck_loopback.py", "host_channel.py"} <= verify, verify
+def test_the_selfcheck_lives_in_selfcheck_and_bench_keeps_benchmarks():
+    """The GPU self-check is one folder: its runner and one module of steps per concern."""
+    selfcheck = {p.name for p in (PACKAGE / "selfcheck").glob("*.py")}
+    assert {"cli.py", "runner.py", "result.py", "device.py", "loopback.py", "stress.py", "equivalence.py", "te.py",
+            "host_channel.py"} <= selfcheck, selfcheck
+    assert not (PACKAGE / "verify").exists()
+    assert not [p for p in PACKAGE.rglob("selfcheck*.py")], "the self-check's modules live in selfcheck/"
     bench = {p.name for p in (PACKAGE / "bench").glob("*.py")}
     assert not {n for n in bench if n.startswith("selfcheck") or n == "host_channel.py"}
     scripts = PACKAGE.parent / "scripts"
     assert not list(scripts.glob("issue*.py")), "scripts are named for what they do, not for an issue number"
-    assert "megatron_rrfp.verify.selfcheck" in (scripts / "gpu_selfcheck.py").read_text(encoding="utf-8")
+    assert "megatron_rrfp.selfcheck.cli" in (scripts / "gpu_selfcheck.py").read_text(encoding="utf-8")
 
 
 def test_test_code_and_research_drivers_live_outside_the_package():
@@ -170,11 +178,12 @@ def test_cli_surface_and_version():
 # Where the package may sleep or read the environment, and why; nowhere else (the runtime never does).
 MAY_SLEEP = {
     "dist": "supervising rank processes", "goodput": "the ledger writer's retry on a locked database",
-    "verify": "the self-check's polling and its drifting stand-in tasks", "bench": "emulated device time",
+    "selfcheck": "the self-check's polling and its drifting stand-in tasks", "bench": "emulated device time",
 }
 MAY_READ_ENVIRONMENT = {
     "dist": "torch.distributed's rendezvous variables", "megatron_lm": "Megatron-LM's launch and CUDA settings",
-    "train": "the launcher's rank variables", "verify": "the self-check's launch", "bench": "temporary paths",
+    "train": "the launcher's rank variables", "selfcheck": "the self-check's launch",
+    "bench": "temporary paths",
     "cpu": "CUDA_DEVICE_MAX_CONNECTIONS, which Megatron-LM's argument checks require",
     "quiet.py": "RRFP_QUIET_DEPENDENCIES",
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .selfcheck_result import Result, ensure_model_parallel
+from .result import Result, ensure_model_parallel
 
 TOL = 1e-5
 

@@ -1,15 +1,19 @@
-"""The self-check's one-GPU pipeline: two stages as two threads of one process on one GPU.
+"""The self-check's one-GPU pipeline, two stages as two threads of one process on one GPU,
+and its two steps: ``loopback`` (values exact under random kernel times) and ``stage-memory``
+(a stage's peak under RRFP against 1F1B at the same in-flight bound).
 
 ``CudaLoopbackDevice`` is a ``rounds.Device`` whose rounds are CUDA copies between the two
 threads' streams (after both producers' events), so the shipped executor and
 ``RoundTransport`` run with real CUDA streams, events, caching-allocator buffers and host
-pacing — everything of the NCCL path except NCCL itself (``verify/selfcheck.py``).
+pacing — everything of the NCCL path except NCCL itself (``nccl-stress`` in ``stress.py`` runs NCCL).
 """
 from __future__ import annotations
 
 import random
 import threading
 import time
+
+from .result import Result
 
 
 class _LoopbackRound:
@@ -253,4 +257,54 @@ class MLPWork:
         pass
 
 
-__all__ = ["CudaLoopbackDevice", "MLPWork", "TokenWork", "check_finals", "loopback_pipeline"]
+def step_loopback(ctx) -> Result:
+    import torch
+
+    from ..policy.topology import Topology
+
+    cases = [(1, "bf", 32), (1, "bfw", 2), (1, "1f1b", 32), (2, "bf", 4)]
+    for i, (chunks, hint, limit) in enumerate(cases):
+        microbatches = 8
+        finals: dict = {}
+
+        def factory(topology, stage, rng, finals=finals):
+            return TokenWork(topology, stage, finals if stage == 0 else {}, rng, max_sleep_cycles=2_000_000)
+
+        errors, _ = loopback_pipeline(chunks=chunks, hint=hint, buffer_limit=limit, microbatches=microbatches,
+                                       iterations=3, work_factory=factory, seed=ctx["seed"] + i,
+                                       timeout_s=ctx["stall_timeout_s"])
+        torch.cuda.synchronize()
+        problem = "; ".join(errors) or check_finals(finals, Topology(2, chunks), microbatches)
+        if problem:
+            return Result("loopback", "FAIL", f"chunks={chunks} hint={hint} limit={limit}: {problem}")
+    return Result("loopback", "PASS", f"{len(cases)} layouts x 3 iterations, random kernel times, values exact "
+                                      "(rounds as CUDA copies: not NCCL's blocking; see nccl-stress)")
+
+
+def step_stage_memory(ctx) -> Result:
+    import torch
+
+    peaks = {}
+    for label, hint, limit in (("1f1b", "1f1b", 32), ("rrfp bf, limit=PP", "bf", 2), ("rrfp default", "bf", 32)):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+
+        def factory(topology, stage, rng):
+            return MLPWork(topology, stage, rng, hidden=1024, layers=4)
+
+        errors, _ = loopback_pipeline(chunks=1, hint=hint, buffer_limit=limit, microbatches=8, iterations=2,
+                                       work_factory=factory, seed=ctx["seed"], timeout_s=ctx["stall_timeout_s"])
+        torch.cuda.synchronize()
+        if errors:
+            return Result("stage-memory", "FAIL", f"{label}: {'; '.join(errors)}")
+        peaks[label] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    figures = ", ".join(f"{k} {v:.1f} MiB" for k, v in peaks.items())
+    ok = peaks["rrfp bf, limit=PP"] <= 1.10 * peaks["1f1b"] + 1.0
+    verdict = "within 10% of 1F1B at the same in-flight bound" if ok else "ABOVE 1F1B at the same in-flight bound"
+    return Result("stage-memory", "PASS" if ok else "FAIL", f"peak of both stages on one GPU: {figures}: {verdict}")
+
+
+__all__ = ["CudaLoopbackDevice", "MLPWork", "TokenWork", "check_finals", "loopback_pipeline",
+           "step_loopback", "step_stage_memory"]

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..dist.env import print_line
-from .selfcheck_result import Result
+from .result import Result
 
 PREFIX = "rrfp-selfcheck"
 POLL_S = 0.2
@@ -164,4 +164,16 @@ def collect(store, results: list[Result], *, rank: int, world: int, timeout_s: f
     return Outcome(results=results, gathered=gathered, failed=failed)
 
 
-__all__ = ["Outcome", "Result", "collect", "run_steps"]
+def report(outcome: Outcome, *, rank: int, world: int, json_path) -> None:
+    """Rank 0: the verdict line (naming each failed step and rank) and the JSON."""
+    if rank != 0:
+        return
+    failed = outcome.failed
+    print(f"gpu_selfcheck: {'FAIL' if failed else 'PASS'}"
+          + (f" ({', '.join(f'{s} on rank {r}' for r, s in failed)})" if failed else ""), flush=True)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            json.dump({"world": world, "ranks": outcome.gathered, "failed": bool(failed)}, handle, indent=1)
+
+
+__all__ = ["Outcome", "Result", "collect", "report", "run_steps"]
