@@ -153,7 +153,9 @@ def test_expert_parallelism_is_accepted_with_rrfp(arguments, monkeypatch):
     (["--pipeline-schedule", "rrfp", "--rrfp-timeout", "inf"], "--rrfp-timeout"),
     (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
       "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
-    (["--pipeline-schedule", "rrfp", "--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm"),
+    # accepted with virtual stages; without them megatron-core's TransformerConfig (built by Megatron-LM) refuses it
+    (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"],
+     "needs --virtual-pipeline-model-parallel-size"),
     (["--pipeline-schedule", "rrfp", "--pipeline-model-parallel-size", "2", "--rrfp-hint", "{hint3}"],
      "lists 3 stages but the pipeline has 2"),
     (["--pipeline-schedule", "rrfp", "--rrfp-hint", "no-such-hint"], "--rrfp-hint"),
