@@ -131,8 +131,8 @@ class _Model:
     """The CP-SAT model of one realisation (integer times: ``rounded`` ones times ``scale``)."""
 
     def __init__(self, cp_model, times: Realization, topology: Topology, scale: int, *, split_backward: bool,
-                 cap: int, lower_bound: float) -> None:
-        self.cp, self.topology, self.split = cp_model, topology, split_backward
+                 cap: int, lower_bound: float, in_order: bool = False) -> None:
+        self.cp, self.topology, self.split, self.in_order = cp_model, topology, split_backward, in_order
         self.model = model = cp_model.CpModel()
         pp, chunks = topology.num_stages, topology.num_chunks
         self.m = m = len(times.forward[0][0])
@@ -156,6 +156,8 @@ class _Model:
         self.links: dict[tuple[int, int], list] = {}
         self._messages(horizon)
         self._dependencies()
+        if in_order:
+            self._in_order()
         self.order_literals = self._fifo()
         self._memory(cap)
         self.makespan = model.NewIntVar(0, horizon, "makespan")
@@ -199,6 +201,16 @@ class _Model:
             else:
                 model.Add(start >= self.end[(stage, Task(Kind.B, j, c))])
 
+    def _in_order(self) -> None:
+        """Microbatches in order per (stage, chunk, kind), as the policies run them: what is left
+        when the optimum may not reorder microbatches by their (clairvoyant) times."""
+        for (stage, task), start in self.start.items():
+            if task.microbatch:
+                earlier = (stage, Task(task.kind, task.microbatch - 1, task.chunk))
+                self.model.Add(start >= self.end[earlier])
+                if (stage, task) in self.arrival and earlier in self.arrival:
+                    self.model.Add(self.arrival[(stage, task)] >= self.arrival[earlier])
+
     def _fifo(self) -> dict:
         """Per pair of sends on one link (latencies differing): which is sent first, and then it
         also arrives first."""
@@ -208,6 +220,8 @@ class _Model:
                 continue  # equal latencies: arrival order = send order already
             for i, (a, _) in enumerate(sent):
                 for b, _ in sent[i + 1:]:
+                    if self.in_order and a.kind is b.kind and a.chunk == b.chunk:
+                        continue  # sent and arriving in microbatch order (_in_order)
                     first = self.model.NewBoolVar(f"o{src}_{a}_{b}")
                     ka, kb = (src, a), (src, b)
                     self.model.Add(self.end[ka] <= self.start[kb]).OnlyEnforceIf(first)
@@ -268,13 +282,15 @@ def _as_split(orders: Sequence[Sequence[Task]], split_backward: bool) -> list[li
 
 def optimal_schedule(realization: Realization, topology: Topology, *, buffer_limit: int, split_backward: bool,
                      time_limit_s: float = 10.0, workers: int = 8, warm_start: Sequence[Sequence[Task]] = (),
-                     lower_bound: float = 0.0, scale: Optional[int] = None) -> Optimum:
+                     lower_bound: float = 0.0, scale: Optional[int] = None, in_order: bool = False) -> Optimum:
     """The clairvoyant optimum on ``realization`` (module docstring).
 
     ``buffer_limit``: forwards in flight per stage, resolved (an int; the cap is at least the
     chunk count, as the arbiter's). ``warm_start``: per-stage orders the simulator can run
     (a policy's), the best of which starts the search. ``lower_bound``: a proven bound on the
-    exact times (``bounds.lower_bound``), given to the solver as a cut.
+    exact times (``bounds.lower_bound``), given to the solver as a cut. ``in_order``: keep each
+    (stage, chunk, kind)'s microbatches in order, as every policy here does — the optimum a
+    policy could reach without reordering microbatches by times it cannot know in advance.
     """
     cp_model = _cp_model()
     m = len(realization.forward[0][0])
@@ -284,7 +300,7 @@ def optimal_schedule(realization: Realization, topology: Topology, *, buffer_lim
     cap = max(int(buffer_limit), topology.num_chunks)
     began = time.perf_counter()
     model = _Model(cp_model, times, topology, scale, split_backward=split_backward, cap=cap,
-                   lower_bound=lower_bound)
+                   lower_bound=lower_bound, in_order=in_order)
     starts = [orders for orders in (_as_split(o, split_backward) for o in warm_start)
               if max(peak_in_flight(order) for order in orders) <= cap]
     warm = min((replay(orders, topology, times, record_trace=True) for orders in starts),

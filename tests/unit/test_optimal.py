@@ -79,14 +79,16 @@ def _policies(topology: Topology, m: int, limit: int, split: bool) -> dict[str, 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(pp=st.integers(1, 3), chunks=st.integers(1, 2), m=st.integers(1, 4), limit=st.integers(1, 6),
        split=st.booleans(), sigma_compute=st.sampled_from([0.0, 0.3, 0.6]), c50=st.sampled_from([0.0, 0.1, 0.3]),
-       sigma_msg=st.sampled_from([0.0, 1.5]), seed=st.integers(0, 10_000))
+       sigma_msg=st.sampled_from([0.0, 1.5]), seed=st.integers(0, 10_000), in_order=st.booleans())
 def test_the_optimum_is_never_above_a_policy_nor_below_the_bound(pp, chunks, m, limit, split, sigma_compute, c50,
-                                                                sigma_msg, seed):
+                                                                sigma_msg, seed, in_order):
+    """``in_order``: the optimum that keeps microbatches in order, as every policy does: it must not
+    lose to them either."""
     topology = Topology(pp, chunks)
     limit = min(limit, m * chunks)
     realization = on_grid(sample_realization(Variability(sigma_compute=sigma_compute, c50=c50, sigma_msg=sigma_msg),
                                              topology, m, seed))
-    result = solve(realization, topology, limit, split)  # from scratch: no policy's order to start from
+    result = solve(realization, topology, limit, split, in_order=in_order)  # from scratch: no policy's order
     assume(result.proven)
     cap = max(limit, chunks)
     assert result.makespan >= lower_bound(realization, topology, m, split_backward=split,
@@ -131,3 +133,19 @@ def test_without_the_solver_the_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "pip install megatron-rrfp[optimal]" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_keeping_microbatches_in_order_costs_the_optimum_its_reordering():
+    """PP2, M4, 1x, j3 (seed 0): the clairvoyant optimum runs microbatch 1 last on both stages; kept in
+    order it still beats the default by deferring a W on the last stage behind a forward about to arrive."""
+    topology = Topology(2, 1)
+    realization = sample_realization(Variability(**REFERENCE_J3), topology, 4, seed=0)
+    free, ordered = (solve(realization, topology, 2, True, in_order=flag) for flag in (False, True))
+    assert free.proven and ordered.proven
+    assert free.makespan < ordered.makespan
+    assert [t.microbatch for t in free.orders[0] if t.kind.value == "F"] != [0, 1, 2, 3]
+    for order in ordered.orders:
+        for kind in "FBW":
+            assert [t.microbatch for t in order if t.kind.value == kind] == [0, 1, 2, 3]
+    default = simulate(policy("default", 2), topology, 4, realization)
+    assert ordered.makespan < default.makespan
