@@ -75,9 +75,11 @@ class ScheduleState:
 
     def discard(self, timeout: float = 0.5) -> None:
         """After a failed call: close the session (its threads told to stop, on CUDA its NCCL
-        pair communicators aborted) so the next call builds a new one. On GPUs that frees the
-        device for the diagnosis to print; it does not make the job recoverable in-process
-        (Megatron's own groups with a dead peer are broken too): restart from a checkpoint."""
+        pair communicators aborted; on gloo each peer sent a close frame, which ends its receive for
+        a message that will never come) so the next call builds a new one. That alone does not make
+        the job recoverable in-process (Megatron's own groups with a dead peer are broken too):
+        restart from a checkpoint, or let Megatron-LM's ``--inprocess-restart`` re-create the world
+        (``get()`` then resets the state)."""
         self.close_session(timeout, abort=True)
 
     def close_session(self, timeout: float = 5.0, *, abort: bool = False) -> None:

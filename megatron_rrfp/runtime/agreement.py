@@ -55,6 +55,22 @@ from ..policy.actions import Task, all_tasks
 _HEAD_WORDS = 3  # dispatched count, rolling hash of the dispatched sequence, post time (ns)
 
 
+WAIT_SLICE_S = 0.5
+"""The longest a wait on the compute thread stays inside one blocking call: an asynchronous exception
+(NVRx's in-process restart raises one in the main thread) is delivered only between Python bytecodes."""
+
+
+def wait_in_slices(cv: threading.Condition, predicate, timeout: Optional[float]) -> bool:
+    """``cv.wait_for(predicate, timeout)`` (``cv`` held) in waits of at most ``WAIT_SLICE_S`` each."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not predicate():
+        left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        cv.wait(left)
+    return True
+
+
 class AgreementError(RuntimeError):
     """TP ranks diverged (a bug or a mismatched configuration): never silently continue."""
 
@@ -220,7 +236,7 @@ class TPAgreement:
         TimeoutError after ``timeout`` seconds (the exchange stays outstanding)."""
         start, wall = time.perf_counter(), time.time()
         with self._cv:
-            done = self._cv.wait_for(lambda: self._result is not None, timeout)
+            done = wait_in_slices(self._cv, lambda: self._result is not None, timeout)
             result = self._result
         blocked = time.perf_counter() - start
         self.stats.blocked_s += blocked

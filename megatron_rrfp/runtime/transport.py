@@ -58,11 +58,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .agreement import wait_in_slices
+
 log = logging.getLogger(__name__)
 
 MESSAGE_KINDS = ("activation", "gradient")
 MAX_DIMS = 8
 _MAGIC = 0x52524650_0001  # "RRFP", header format version 1
+_CLOSE_MAGIC = 0x52524650_00FF  # a frame that only says "the sender closed this link" (close(release_peers=True))
 HEADER_LEN = 6 + MAX_DIMS  # magic, kind, microbatch, chunk, dtype code, ndim, shape[8]
 HEADER_BYTES = HEADER_LEN * 8  # a multiple of 8: the payload after it is aligned for every dtype
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -282,6 +285,9 @@ class StageTransport(SelfDelivering):
         self._expected = {src: 0 for (src, dst) in groups if dst == rank}
         self._stats = TransportStats()
         self._queues = {dst: queue.SimpleQueue() for (src, dst) in groups if src == rank}
+        # the receiver's rank inside each outgoing group, known while the world exists (close may run after)
+        self._peer_index = {dst: dist.get_group_rank(groups[(rank, dst)], dst) for dst in self._queues}
+        self._close_frames: list = []  # (work, frame) of close frames sent: referenced until the process ends
         tag = f"rrfp-{name}-r{rank}" if name else f"rrfp-r{rank}"
         self._threads = [threading.Thread(target=self._send_loop, args=(dst,), daemon=True,
                                           name=f"{tag}-send{dst}") for dst in self._queues]
@@ -321,19 +327,28 @@ class StageTransport(SelfDelivering):
     def flush(self, timeout: float) -> None:
         """Block until every queued send completed (gloo: the peer received it)."""
         with self._cv:
-            done = self._cv.wait_for(lambda: self._pending_sends == 0 or self._error, timeout)
+            done = wait_in_slices(self._cv, lambda: self._pending_sends == 0 or self._error, timeout)
             if self._error:
                 raise self._error
             if not done:
                 raise TransportError(f"rank {self.rank}{self._tag()}: flush timed out after "
                                      f"{timeout}s with {self._pending_sends} sends pending")
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop all threads. Queued sends are dropped."""
+    def close(self, timeout: float = 5.0, *, release_peers: bool = False) -> None:
+        """Stop all threads. Queued sends are dropped.
+
+        ``release_peers`` (after a failure): first send each receiver a close frame, which ends a
+        receive it has posted for a message that will never come. A thread blocked in a gloo
+        receive cannot be interrupted otherwise (neither aborting nor destroying the group wakes
+        it; its group's timeout is the stall timeout), and one still blocked when the process
+        re-creates its process groups (an in-process restart) makes the process abort at exit.
+        Sent on the group object itself, so it also works after the process groups were destroyed."""
         with self._cv:
             self._closed = True
             outstanding = {s: n for s, n in self._expected.items() if n}
             self._cv.notify_all()
+        if release_peers:
+            self._release_peers()
         for q in self._queues.values():
             q.put(None)
         deadline = time.monotonic() + timeout
@@ -397,6 +412,9 @@ class StageTransport(SelfDelivering):
                 t0 = time.perf_counter()
                 frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
                 dist.recv(frame, src, group=group)
+                if int(frame[:8].view(torch.int64)[0]) == _CLOSE_MAGIC:
+                    self._peer_closed(src)
+                    return
                 header = decode_header(frame[:HEADER_BYTES].view(torch.int64))
                 if payload_bytes(header) > capacity:  # a header-only frame: the message follows
                     capacity = payload_bytes(header)
@@ -419,6 +437,16 @@ class StageTransport(SelfDelivering):
                 return
 
     # ---- helpers ----------------------------------------------------------------------
+    def _release_peers(self) -> None:
+        frame = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        frame.view(torch.int64)[0] = _CLOSE_MAGIC
+        for dst in self._queues:
+            try:  # never waited: the peer may have nothing posted, or be gone
+                work = self._groups[(self.rank, dst)].send([frame], self._peer_index[dst], 0)
+                self._close_frames.append((work, frame))
+            except Exception as exc:  # noqa: BLE001 - best effort; the failure that closed us is what counts
+                log.debug("rank %d%s: no close frame to rank %d: %s", self.rank, self._tag(), dst, exc)
+
     def _deliver(self, msg: Message) -> bool:
         try:
             self._on_message(msg)
@@ -426,6 +454,15 @@ class StageTransport(SelfDelivering):
         except BaseException as exc:
             self._fail("deliver from", msg.src, f"{msg.kind}(mb={msg.microbatch}, chunk={msg.chunk})", exc)
             return False
+
+    def _peer_closed(self, src: int) -> None:
+        """``src`` closed its end after a failure there: ours is one now too, unless we closed first."""
+        with self._cv:
+            if self._closed or self._error:
+                return
+            expected = self._expected[src]
+        self._fail("recv from", src, f"a close frame ({expected} messages still expected)",
+                   TransportError(f"rank {src} closed the link (a failure there)"))
 
     def _fail(self, direction: str, peer: int, header: object, exc: BaseException) -> None:
         err = TransportError(f"rank {self.rank}{self._tag()}: {direction} rank {peer} failed "

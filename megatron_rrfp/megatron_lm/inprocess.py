@@ -1,0 +1,203 @@
+"""Megatron-LM's in-process restart (``--inprocess-restart``, nvidia-resiliency-ext) through the launcher.
+
+Megatron-LM wraps ``pretrain`` in NVRx's ``inprocess.Wrapper`` (``megatron/training/inprocess_restart.py``):
+on a fault the wrapper aborts the process groups, runs its finalize / health checks and calls
+``pretrain`` again in the same process, with a fresh ``store`` prefix per restart. What the launcher
+repairs or checks so that this works for its users (``install._apply`` calls ``prepare`` right after
+Megatron parsed the flags, which ``maybe_wrap_for_inprocess_restart`` does before it wraps):
+
+* **The wrapper reaches ``pretrain``.** NVRx passes its ``CallWrapper`` to the parameter whose
+  annotation names ``CallWrapper`` (``inprocess/param_utils.py``). Since core_v0.18.0
+  ``pretrain(..., inprocess_call_wrapper: Optional[Any] = None)`` (``megatron/training/training.py``)
+  matches nothing: the wrapper never arrives, ``pretrain`` does not put the restart's prefix on the
+  store, and the second ``init_process_group`` meets the first one's keys (gloo:
+  "connectFullMesh ... Connection refused"; the other ranks hang). The launcher's ``pretrain``
+  wrapper declares the parameter as ``Optional[CallWrapper]`` (``__signature__``), so NVRx injects it
+  and Megatron's own code applies the prefix. Releases that annotate it correctly (0.16.x) are
+  unchanged.
+* **No GPU health checks on a CPU run.** NVRx 0.6+ adds GPU, NVLink and NIC checks (NVML) to the
+  restart health check whenever ``LOCAL_RANK`` is set; on a CPU run (``launch --cpu``) every rank
+  would end in ``HealthCheckError``. There they are left out (the user's and Megatron's checks stay).
+* **Finalize without CUDA.** NVRx's ``ThreadedFinalize`` (Megatron's ``destroy_state`` after a
+  fault) first requires a CUDA device; on a CPU run it runs the function in its thread alone.
+* **``--inprocess-granularity node``** builds one rank-assignment layer per host of exactly
+  ``torch.cuda.device_count()`` ranks; a host running another number of ranks (any CPU run: the
+  CPU redirection reports one device) cannot be assigned. Refused in one line before any rank
+  starts work, naming ``--inprocess-granularity rank``.
+
+``nvrx_conflict()`` (called by the launcher before anything imports ``megatron``) names an installed
+nvidia-resiliency-ext that the megatron-core about to be imported rejects at import time: since
+core_v0.18.0 ``megatron/core/dist_checkpointing/strategies/nvrx.py`` reads
+``nvidia_resiliency_ext.__version__`` (NVRx 0.4.x has none: ``AttributeError`` on every rank) and
+asserts ``NVRX_MIN_VERSION``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+_PARAMETER = "inprocess_call_wrapper"
+_NVRX_CHECKER = ("core", "dist_checkpointing", "strategies", "nvrx.py")
+
+
+def prepare(args: Any, entry: Optional[Callable], *, cpu: bool) -> list[str]:
+    """After Megatron-LM parsed ``args``: with ``--inprocess-restart``, check the flags, make NVRx's
+    call wrapper reach ``entry`` (the launcher's ``pretrain`` wrapper) and, on CPU, leave NVRx's GPU
+    health checks out. Returns what was changed (names for a log line); raises ValueError (one line,
+    naming the flag) for a setting that cannot work."""
+    if not getattr(args, "inprocess_restart", False):
+        return []
+    check_granularity(args)
+    done = []
+    if entry is not None and inject_call_wrapper(entry):
+        done.append(f"pretrain's {_PARAMETER} annotated Optional[CallWrapper]")
+    if cpu and leave_out_gpu_health_checks():
+        done.append("NVRx's GPU/NVLink/NIC health checks left out (CPU run)")
+    if cpu and finalize_without_cuda():
+        done.append("NVRx's ThreadedFinalize runs without a CUDA device (CPU run)")
+    return done
+
+
+def check_granularity(args: Any) -> None:
+    if getattr(args, "inprocess_granularity", "node") != "node":
+        return
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        return
+    import torch
+
+    devices = torch.cuda.device_count()
+    if int(local) != devices:
+        raise ValueError(f"--inprocess-granularity node expects one rank per CUDA device on each host "
+                         f"({devices} device(s) here, {local} ranks on this host: LOCAL_WORLD_SIZE); "
+                         "use --inprocess-granularity rank")
+
+
+def call_wrapper_class() -> Optional[type]:
+    """NVRx's ``inprocess.CallWrapper`` (None when nvidia-resiliency-ext is not installed)."""
+    try:
+        from nvidia_resiliency_ext.inprocess import CallWrapper
+    except ImportError:
+        return None
+    return CallWrapper
+
+
+def inject_call_wrapper(entry: Callable) -> bool:
+    """Give ``entry`` (a wrapper of Megatron's ``pretrain``) a signature whose ``inprocess_call_wrapper``
+    is annotated ``Optional[CallWrapper]``, where Megatron's own annotation names no CallWrapper.
+    True if it changed anything."""
+    wrapper_class = call_wrapper_class()
+    if wrapper_class is None:
+        return False
+    signature = inspect.signature(entry)  # follows __wrapped__ to Megatron's pretrain
+    parameter = signature.parameters.get(_PARAMETER)
+    if parameter is None or _names(parameter.annotation, wrapper_class):
+        return False
+    parameters = [p.replace(annotation=Optional[wrapper_class]) if p.name == _PARAMETER else p
+                  for p in signature.parameters.values()]
+    entry.__signature__ = signature.replace(parameters=parameters)
+    return True
+
+
+def _names(annotation: Any, cls: type) -> bool:
+    return annotation is cls or cls in getattr(annotation, "__args__", ())
+
+
+def leave_out_gpu_health_checks() -> bool:
+    """NVRx 0.6+: build ``Wrapper.restart_health_check`` without the GPU / NVLink / NIC checks it
+    adds for ``LOCAL_RANK`` (NVML, on every restart), in every Wrapper made later in this process.
+    True if this call left them out (False: NVRx has none, or they are out already)."""
+    try:
+        from nvidia_resiliency_ext.inprocess import health_check, wrap
+    except ImportError:
+        return False
+    construct = getattr(wrap.Wrapper, "_construct_restart_health_check", None)
+    if construct is None or getattr(construct, "_rrfp_cpu", False):
+        return False
+    gpu_kinds = tuple(getattr(health_check, name) for name in
+                      ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+                      if hasattr(health_check, name))
+
+    def construct_without_gpu_checks(self):
+        construct(self)
+        checks = getattr(self.restart_health_check, "instances", None)
+        if checks is None:
+            return
+        kept = [c for c in checks if not isinstance(c, gpu_kinds)]
+        self.restart_health_check = wrap.Compose(*kept) if kept else None
+
+    construct_without_gpu_checks._rrfp_cpu = True
+    wrap.Wrapper._construct_restart_health_check = construct_without_gpu_checks
+    return True
+
+
+def finalize_without_cuda() -> bool:
+    """NVRx's ``ThreadedFinalize`` (Megatron's ``destroy_state`` after a fault) raises "CUDA is not
+    available" before running anything; on a CPU run it runs ``fn`` in a thread under the same
+    timeout, without choosing a CUDA device. True if this call changed it."""
+    try:
+        from nvidia_resiliency_ext.inprocess import exception, finalize
+    except ImportError:
+        return False
+    threaded = getattr(finalize, "ThreadedFinalize", None)
+    if threaded is None or getattr(threaded.__call__, "_rrfp_cpu", False):
+        return False
+
+    def call_without_cuda(self, state):
+        thread = threading.Thread(target=self.fn, args=self.args, kwargs=self.kwargs,
+                                  name=f"{type(self).__name__}-{state.rank}", daemon=True)
+        thread.start()
+        thread.join(self.timeout.total_seconds())
+        if thread.is_alive():
+            raise exception.TimeoutError
+        return state
+
+    call_without_cuda._rrfp_cpu = True
+    threaded.__call__ = call_without_cuda
+    return True
+
+
+def nvrx_conflict() -> Optional[str]:
+    """A one-line error when the installed nvidia-resiliency-ext would make ``import megatron.core``
+    fail (the megatron package found on ``sys.path`` checks NVRx's version at import); else None.
+    Reads files and package metadata only: imports neither megatron nor NVRx."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("nvidia-resiliency-ext")
+    except PackageNotFoundError:
+        return None
+    spec = importlib.util.find_spec("megatron")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        checker = Path(location, *_NVRX_CHECKER)
+        if checker.is_file():
+            found = re.search(r'^NVRX_MIN_VERSION\s*=\s*"([^"]+)"', checker.read_text(), re.MULTILINE)
+            if found is None:
+                return None
+            from packaging.version import Version
+
+            needed = found.group(1)
+            if Version(installed) >= Version(needed) and _has_version_attribute():
+                return None
+            return (f"nvidia-resiliency-ext {installed} is installed, but {checker} (imported with megatron.core) "
+                    f"needs nvidia-resiliency-ext >= {needed} and reads nvidia_resiliency_ext.__version__: "
+                    f"pip install 'nvidia-resiliency-ext>={needed}' (wheels for glibc >= 2.39), or pip uninstall "
+                    "nvidia-resiliency-ext")
+    return None
+
+
+def _has_version_attribute() -> bool:
+    spec = importlib.util.find_spec("nvidia_resiliency_ext")
+    if spec is None or spec.origin in (None, "namespace"):
+        return False  # a namespace package (0.4.x) has no __init__ and no __version__
+    return "__version__" in Path(spec.origin).read_text()
+
+
+__all__ = ["call_wrapper_class", "check_granularity", "inject_call_wrapper", "finalize_without_cuda",
+           "leave_out_gpu_health_checks", "nvrx_conflict", "prepare"]
