@@ -10,8 +10,10 @@ Megatron's per-layer FLOP count ``24 s h^2 + 4 s^2 h`` (attention with an MLP of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..checks import Bound, integer
+from ..options import option
 
 
 def image_tokens(img_h: int, img_w: int, patch_dim: int, class_token: bool = True) -> int:
@@ -77,46 +79,38 @@ and --hidden-size)."""
 MODEL_SIZE_FLAGS = ("--seq-length", "--hidden-size")
 
 
-def add_llava_arguments(group, *, model_sizes: bool) -> None:
+@dataclass(kw_only=True, slots=True)
+class LlavaOptions:
     """--img-h/--img-w/--patch-dim (Megatron-LM's names) and the layer counts they are weighed
-    with; ``model_sizes`` adds --seq-length and --hidden-size (the bench has its own)."""
-    group.add_argument("--img-h", type=BOUNDS["--img-h"].parse, default=None,
-                       help="LLaVA (pretrain_vlm.py): image height; with --img-w and --patch-dim sets the image "
-                            "tokens per sample and stage 0's encoder cost")
-    group.add_argument("--img-w", type=BOUNDS["--img-w"].parse, default=None,
-                       help="LLaVA: image width (default: --img-h)")
-    group.add_argument("--patch-dim", type=BOUNDS["--patch-dim"].parse, default=14,
-                       help="LLaVA: ViT patch side (default %(default)s)")
-    group.add_argument("--encoder-num-layers", type=BOUNDS["--encoder-num-layers"].parse, default=24,
-                       help="LLaVA: ViT layers on stage 0 (default %(default)s, CLIP ViT-L)")
-    group.add_argument("--decoder-num-layers", type=BOUNDS["--decoder-num-layers"].parse, default=32,
-                       help="LLaVA: decoder layers over all stages (default %(default)s)")
-    if model_sizes:
-        group.add_argument("--seq-length", type=BOUNDS["--seq-length"].parse, default=2048,
-                           help="LLaVA: text tokens per sample (default %(default)s)")
-        group.add_argument("--hidden-size", type=BOUNDS["--hidden-size"].parse, default=4096,
-                           help="LLaVA: decoder (and ViT) hidden size (default %(default)s)")
+    with, as flags of ``simulate`` and ``bench`` (each has its own --seq-length and --hidden-size)."""
 
+    img_h: Optional[int] = option(None, "LLaVA (pretrain_vlm.py): image height; with --img-w and --patch-dim sets "
+                                  "the image tokens per sample and stage 0's encoder cost", bound=BOUNDS["--img-h"])
+    img_w: Optional[int] = option(None, "LLaVA: image width (default: --img-h)", bound=BOUNDS["--img-w"])
+    patch_dim: int = option(14, "LLaVA: ViT patch side", bound=BOUNDS["--patch-dim"])
+    encoder_num_layers: int = option(24, "LLaVA: ViT layers on stage 0, as CLIP ViT-L",
+                                     bound=BOUNDS["--encoder-num-layers"])
+    decoder_num_layers: int = option(32, "LLaVA: decoder layers over all stages", bound=BOUNDS["--decoder-num-layers"])
 
-def llava_from_args(args, pipeline_size: int, *, decoder_seq_length: int | None = None) -> LlavaShape | None:
-    """The LLaVA shape the flags describe, or None without --img-h. ``decoder_seq_length``
-    (the bench's --seq-length, images included) replaces --seq-length (text only). A
-    --straggler-stage would overwrite stage 0's factor, so the two are refused together."""
-    if args.img_h is None:
-        if args.img_w is not None:
-            raise ValueError("--img-w needs --img-h (LLaVA's image shape)")
-        return None
-    if args.straggler_stage is not None:
-        raise ValueError("--img-h (LLaVA: the encoder's cost on stage 0) and --straggler-stage both set stage "
-                         "factors; give one")
-    img_w = args.img_w if args.img_w is not None else args.img_h
-    text = args.seq_length
-    if decoder_seq_length is not None:
-        text = decoder_seq_length - image_tokens(args.img_h, img_w, args.patch_dim)
-        if text < 1:
-            raise ValueError(f"--seq-length {decoder_seq_length} leaves no text beside the "
-                             f"{decoder_seq_length - text} image tokens of --img-h/--img-w/--patch-dim")
-    return llava_shape(img_h=args.img_h, img_w=img_w,
-                       patch_dim=args.patch_dim, seq_length=text, hidden_size=args.hidden_size,
-                       encoder_num_layers=args.encoder_num_layers, decoder_num_layers=args.decoder_num_layers,
-                       pipeline_size=pipeline_size)
+    def shape(self, *, pipeline_size: int, seq_length: int, hidden_size: int, straggler_stage: Optional[int],
+              decoder_seq_length: Optional[int] = None) -> Optional[LlavaShape]:
+        """The LLaVA shape the flags describe, or None without --img-h. ``decoder_seq_length``
+        (the bench's --seq-length, images included) replaces ``seq_length`` (text only). A
+        --straggler-stage would overwrite stage 0's factor, so the two are refused together."""
+        if self.img_h is None:
+            if self.img_w is not None:
+                raise ValueError("--img-w needs --img-h (LLaVA's image shape)")
+            return None
+        if straggler_stage is not None:
+            raise ValueError("--img-h (LLaVA: the encoder's cost on stage 0) and --straggler-stage both set stage "
+                             "factors; give one")
+        img_w = self.img_w if self.img_w is not None else self.img_h
+        text = seq_length
+        if decoder_seq_length is not None:
+            text = decoder_seq_length - image_tokens(self.img_h, img_w, self.patch_dim)
+            if text < 1:
+                raise ValueError(f"--seq-length {decoder_seq_length} leaves no text beside the "
+                                 f"{decoder_seq_length - text} image tokens of --img-h/--img-w/--patch-dim")
+        return llava_shape(img_h=self.img_h, img_w=img_w, patch_dim=self.patch_dim, seq_length=text,
+                           hidden_size=hidden_size, encoder_num_layers=self.encoder_num_layers,
+                           decoder_num_layers=self.decoder_num_layers, pipeline_size=pipeline_size)
