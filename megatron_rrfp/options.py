@@ -86,6 +86,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
                 kwargs["type"] = type(default)
             if help_text is not None and default is not None:
                 help_text += f" (default {default})"
+            if meta["flag"] and "metavar" not in kwargs:  # named after what is typed, not the field
+                kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
         target.add_argument(flag_of(f), *meta["aliases"], dest=f.name, default=default, help=help_text, **kwargs)
     return parser
 
@@ -122,7 +124,8 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
         elif (f.metadata.get(_OPTION) or {}).get("positional"):
             argv.append(str(value))
         else:
-            text = repr(value) if isinstance(value, float) else str(value)
+            text = (repr(value) if isinstance(value, float) else
+                    ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
             argv += [flag_of(f)] if isinstance(value, bool) else [flag_of(f), text]
     return argv
 
