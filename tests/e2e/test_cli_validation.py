@@ -21,6 +21,7 @@ from megatron_rrfp.bench.run import BenchConfig
 from megatron_rrfp.checks import BUFFER_LIMIT, TIMEOUT_S, Bound, LimitBound
 from megatron_rrfp.cli import main
 from megatron_rrfp.goodput.cli import BINS
+from megatron_rrfp.sim import cli as sim_cli
 from megatron_rrfp.sim import llava
 from megatron_rrfp.sim.study import StudyConfig
 from megatron_rrfp.sim.variability import Variability
@@ -39,7 +40,8 @@ _LLAVA = list(llava.BOUNDS.items())  # bench and demo: their own --seq-length / 
 _WORKLOAD_BENCH = [f for f in _WORKLOAD if f[0] not in _SIM_ONLY] + [f for f in _LLAVA
                                                                      if f[0] not in llava.MODEL_SIZE_FLAGS]
 NUMERIC_FLAGS = {
-    "simulate": _flags(StudyConfig.BOUNDS, StudyConfig.FLAGS) + _WORKLOAD + _LLAVA,
+    "simulate": _flags(StudyConfig.BOUNDS, StudyConfig.FLAGS) + _WORKLOAD + _LLAVA
+    + [("--optimal-time-limit", sim_cli.OPTIMAL_TIME_LIMIT)],
     "bench": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + _WORKLOAD_BENCH,
     "demo": _flags(BenchConfig.BOUNDS, BenchConfig.FLAGS) + _WORKLOAD_BENCH,
     "train": _flags(train_config.BOUNDS, train_config.FLAGS) + [("--rrfp-buffer-limit", BUFFER_LIMIT),
