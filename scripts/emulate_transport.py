@@ -4,6 +4,7 @@
     python scripts/emulate_transport.py [--jobs 100] [--seed 0] [--protocols rounds,early-receive] [--json PATH]
     python scripts/emulate_transport.py --protocols rounds-without-ring-rule,rounds-unagreed,rounds-dp-unagreed
     python scripts/emulate_transport.py --dp-stress --jobs 40 --protocols rounds,rounds-dp-unagreed
+    python scripts/emulate_transport.py --dp-epochs [--dp-stress] --protocols rounds,rounds-without-epoch-order
 
 Each configuration is a whole job — PP x TP=2 (PP 2-8, 1-4 model chunks), or in half of them a
 production job on two pipelines: DP=2 with megatron DDP's bucketed reductions
@@ -48,9 +49,15 @@ def main() -> int:
     parser.add_argument("--dp-after-loop", action="store_true",
                         help="with --dp-stress: the DP communication out of the task loop instead of the "
                              "whole-stage agreement (--rrfp-dp-overlap after-loop)")
+    parser.add_argument("--dp-epochs", action="store_true",
+                        help="every interleaved DP=2 job under the DP epoch rule (--rrfp-dp-overlap epochs) "
+                             "instead of the whole-stage agreement / after-loop; rounds-without-epoch-order "
+                             "is the rule without its epoch order")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.dp_after_loop and args.dp_epochs:
+        parser.error("--dp-after-loop and --dp-epochs are two different places for the DP communication: give one")
     if args.dp_after_loop and not args.dp_stress:
         parser.error("--dp-after-loop applies to --dp-stress jobs (the random jobs draw it for half their "
                      "interleaved DP=2 jobs); add --dp-stress")
@@ -69,9 +76,10 @@ def main() -> int:
         start = time.monotonic()
         if args.dp_stress:
             jobs = dp_stress_jobs(args.jobs, seed=args.seed, protocol=protocol, quiet_s=args.quiet_s,
-                                  dp_after_loop=args.dp_after_loop)
+                                  dp_after_loop=args.dp_after_loop, dp_epochs=args.dp_epochs)
         else:
-            jobs = random_jobs(args.jobs, seed=args.seed, protocol=protocol, quiet_s=args.quiet_s)
+            jobs = random_jobs(args.jobs, seed=args.seed, protocol=protocol, quiet_s=args.quiet_s,
+                               dp_epochs=args.dp_epochs)
         for i, job in enumerate(jobs):
             outcome = run_emulated(job)
             status = "completed" if outcome.completed else ("deadlock" if outcome.deadlock else "failed")

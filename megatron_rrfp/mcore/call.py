@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..dist.env import print_line
 from ..policy.arbiter import Arbiter
+from ..policy.epochs import EpochBook, timeline_for
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..runtime.agreement import TPAgreement
@@ -30,7 +31,7 @@ from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
 from . import auto_limit, byte_limit, compat, recovery
 from .config import RRFPConfig
-from .dp_overlap import AFTER_LOOP, LOCKSTEP, describe, dp_communication, overlapped_dp_communication_allowed
+from .dp_overlap import AFTER_LOOP, EPOCHS, LOCKSTEP, describe, dp_communication, overlapped_dp_communication_allowed
 from .grad_sync import GradSyncController
 from .session import Session, session
 from .stage_work import (
@@ -79,7 +80,7 @@ class Placement:
     stage: int
     topology: Topology
     data_parallel_size: int
-    dp_mode: str  # dp_overlap.py: in the loop, LOCKSTEP or AFTER_LOOP
+    dp_mode: str  # dp_overlap.py: in the loop, EPOCHS, LOCKSTEP or AFTER_LOOP
 
     @property
     def is_last_stage(self) -> bool:
@@ -126,7 +127,8 @@ class ScheduleCall:
             stage_ranks=place.pp_ranks, transport=self.session.transport, inbox=self.session.inbox,
             agreement=self.agreement, timeout_s=self.options.timeout_s, forward_only=inputs.forward_only,
             record_spans=self.options.record_spans, memory=self.meter, measure_task_bytes=self.in_bytes.calibrating,
-            around_task=self.options.around_task, deliver_message=self.options.deliver_message)
+            around_task=self.options.around_task, deliver_message=self.options.deliver_message,
+            epochs=self._epoch_book())
         self.report = iteration.run()
         if self.wgrad_store is not None:
             self.report.peak_deferred_wgrad_bytes = self.wgrad_store.peak_pending_bytes
@@ -165,6 +167,15 @@ class ScheduleCall:
         self._open.close()
         recovery.after_failure(self.place.config, self.grad_sync, self.state)
 
+    def _epoch_book(self) -> Optional[EpochBook]:
+        """This stage's book of the DP epoch rule for this call (dp_overlap.py's ``EPOCHS``), or None."""
+        place, inputs = self.place, self.inputs
+        if place.dp_mode != EPOCHS or inputs.forward_only:
+            return None
+        timeline = timeline_for(self.options.arbiter, place.topology, inputs.num_microbatches,
+                                self.arbiter.split_backward)
+        return EpochBook(timeline, place.topology, place.stage)
+
     def _stage_work(self) -> MegatronStageWork:
         place, inputs = self.place, self.inputs
         work = MegatronStageWork(
@@ -178,8 +189,9 @@ class ScheduleCall:
         if self.wgrad_store is not None:
             overlap = place.dp_mode != AFTER_LOOP and overlapped_dp_communication_allowed(
                 device_type=place.device.type, data_parallel_size=place.data_parallel_size,
-                interleaved=place.topology.interleaved, whole_stage=place.dp_mode == LOCKSTEP)
-            attach_split_readiness(work, overlap_allowed=overlap)
+                interleaved=place.topology.interleaved, whole_stage=place.dp_mode in (LOCKSTEP, EPOCHS))
+            # under the epoch rule a chunk's reductions all launch at its DP point, its last W
+            attach_split_readiness(work, overlap_allowed=overlap, at_last_weight=place.dp_mode == EPOCHS)
         return work
 
 
@@ -189,7 +201,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
     the session's groups, the split capability, the calibrations' agreements)."""
     place = _placement(state, options, inputs.models, pg_collection=pg_collection, p2p_communicator=p2p_communicator)
     runtime = session(place.pp_ranks, place.groups.agreement_ranks, place.device, options.timeout_s,
-                      options.transport, state=state)
+                      _transport_for(options, place.dp_mode), state=state)
     options = with_combined_steps(options, place.config, inputs.models, inputs.forward_step_func,
                                   forward_only=inputs.forward_only)  # pairs F and B; never splits them
     options = with_split_capability(options, inputs.models,
@@ -212,6 +224,16 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                 forward_only=inputs.forward_only, device=runtime.device)
     return ScheduleCall(state=state, options=options, inputs=inputs, place=place, session=runtime, limit=limit,
                         in_bytes=in_bytes, arbiter=arbiter, meter=meter, wgrad_store=store, agreement=agreement)
+
+
+def _transport_for(options: RRFPConfig, dp_mode: str) -> str:
+    """The epoch rule lives in the rounds transport: ``auto`` reads it, ``threads`` is refused."""
+    if dp_mode != EPOCHS:
+        return options.transport
+    if options.transport == "threads":
+        raise ValueError("megatron_rrfp: --rrfp-dp-overlap epochs orders the rounds of the rounds transport; "
+                         "--rrfp-transport threads has none: use --rrfp-transport rounds (or auto)")
+    return "rounds"
 
 
 def _placement(state: ScheduleState, options: RRFPConfig, models: list, *, pg_collection,
@@ -254,7 +276,7 @@ def check_supported(config, models) -> None:
 
 def _say_dp_mode_once(state: ScheduleState, mode: str, choice: str, models, data_parallel_size: int) -> None:
     """Rank 0 names the choice once per model (it changes where DP time is spent)."""
-    if mode in (LOCKSTEP, AFTER_LOOP) and id(models[0]) not in state.dp_modes_said:
+    if mode in (LOCKSTEP, AFTER_LOOP, EPOCHS) and id(models[0]) not in state.dp_modes_said:
         state.dp_modes_said.add(id(models[0]))
         if dist.get_rank() == 0:
             print_line(describe(mode, choice, models, data_parallel_size))

@@ -16,7 +16,13 @@ one's own task sequence:
   pair different collectives, or a cycle through two pipelines could form
   (``scripts/emulate_transport.py --protocols rounds-dp-unagreed`` shows both).
 
-Two ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
+Three ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
+
+* **epochs** (the DP epoch rule, docs/design/dp-epochs.md): DP collectives stay where megatron
+  issues them, each at a fixed *DP point* of the stage's task sequence (its place in Megatron's
+  order); between DP points a stage is readiness-first and its replicas independent; the rounds
+  transport gives each message an epoch (the DP points before it) and issues rounds in epoch
+  order. Overlapped and independent; it needs the rounds transport (on CPU too, when named);
 
 * **lockstep** (``whole_stage_agreement``): the TP agreement spans every rank of the stage
   (TP x DP x CP: megatron's tensor-and-data-parallel group), so all DP replicas of a stage
@@ -65,14 +71,15 @@ def whole_stage_agreement(models, *, device_type: str, data_parallel_size: int, 
         forward_only=forward_only) == LOCKSTEP
 
 
-IN_LOOP, LOCKSTEP, AFTER_LOOP = "in-loop", "lockstep", "after-loop"
-DP_OVERLAP_CHOICES = ("auto", LOCKSTEP, AFTER_LOOP)
+IN_LOOP, LOCKSTEP, AFTER_LOOP, EPOCHS = "in-loop", "lockstep", "after-loop", "epochs"
+DP_OVERLAP_CHOICES = ("auto", EPOCHS, LOCKSTEP, AFTER_LOOP)
 
 
 def dp_communication(models, *, device_type: str, data_parallel_size: int, choice: str = "auto",
                      forward_only: bool = False) -> str:
     """Where this call's DP communication goes: ``IN_LOOP`` (where megatron issues it, covered
-    as it is), ``LOCKSTEP`` (in the loop, under the whole-stage agreement) or ``AFTER_LOOP``."""
+    as it is), ``EPOCHS`` (there, under the epoch rule), ``LOCKSTEP`` (in the loop, under the
+    whole-stage agreement) or ``AFTER_LOOP``."""
     return dp_communication_of_layout(
         overlap=bool(overlapping_flags(models)), num_chunks=len(models), device_type=device_type,
         data_parallel_size=data_parallel_size, choice=choice, forward_only=forward_only)
@@ -85,16 +92,18 @@ def dp_communication_of_layout(*, overlap: bool, num_chunks: int, device_type: s
         return IN_LOOP
     if choice == AFTER_LOOP:
         return AFTER_LOOP
-    if num_chunks < 2 or (device_type != "cuda" and choice != LOCKSTEP):
+    if num_chunks < 2 or (device_type != "cuda" and choice not in (LOCKSTEP, EPOCHS)):
         return IN_LOOP
-    return LOCKSTEP if choice == LOCKSTEP else AFTER_LOOP  # auto: after-loop (module docstring)
+    return AFTER_LOOP if choice == "auto" else choice  # auto: after-loop (module docstring)
 
 
 def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
     """One line for the job's log: what ``dp_communication`` chose and why."""
     flags = " ".join("--" + f.split("(--")[1].rstrip(")") for f in overlapping_flags(models))
-    where = ("in the task loop, every DP replica of a stage in the agreement (lock-step)" if mode == LOCKSTEP
-             else "parameter all-gathers before the task loop, reductions after it (replicas independent)")
+    where = {LOCKSTEP: "in the task loop, every DP replica of a stage in the agreement (lock-step)",
+             EPOCHS: "in the task loop at fixed DP points, rounds in epoch order (replicas independent between "
+                     "DP points)"}.get(mode, "parameter all-gathers before the task loop, reductions after it "
+                                         "(replicas independent)")
     why = f"--rrfp-dp-overlap {choice}" + ("; 'lockstep' keeps it in the loop" if choice == "auto" else "")
     layout = f"DP {data_parallel_size}" + (f" x {len(models)} chunks" if len(models) > 1 else "")
     return f"megatron-rrfp: {layout} with {flags}: {where} ({why})"
@@ -107,6 +116,6 @@ def overlapped_dp_communication_allowed(*, device_type: str, data_parallel_size:
     return whole_stage or device_type != "cuda" or data_parallel_size <= 1 or not interleaved
 
 
-__all__ = ["AFTER_LOOP", "DP_OVERLAP_CHOICES", "IN_LOOP", "LOCKSTEP", "describe",
+__all__ = ["AFTER_LOOP", "DP_OVERLAP_CHOICES", "EPOCHS", "IN_LOOP", "LOCKSTEP", "describe",
            "dp_communication", "dp_communication_of_layout", "overlapped_dp_communication_allowed",
            "overlapping_flags", "whole_stage_agreement"]

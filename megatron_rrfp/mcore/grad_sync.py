@@ -100,11 +100,13 @@ class GradSyncController:
         backward — not interleaved: without grad_sync_func or on pipeline rank 0; interleaved: always."""
         return self.interleaved or self._grad_sync is None or self.pp_rank == 0
 
-    def split_readiness(self, deferred: set, *, overlap_allowed: bool = True) -> SplitReadiness:
+    def split_readiness(self, deferred: set, *, overlap_allowed: bool = True,
+                        at_last_weight: bool = False) -> SplitReadiness:
         """Readiness counting for a split backward; ``deferred``: parameters W completes.
         Without ``overlap_allowed`` (``dp_overlap``) nothing launches inside the task loop:
-        ``finish`` launches every reduction after the last W."""
-        return SplitReadiness(self, deferred, overlap_allowed=overlap_allowed)
+        ``finish`` launches every reduction after the last W. ``at_last_weight``: the
+        parameters B completes count as ready at the chunk's last W, not its last B."""
+        return SplitReadiness(self, deferred, overlap_allowed=overlap_allowed, at_last_weight=at_last_weight)
 
     def finish(self) -> None:
         if self.forward_only:
@@ -138,8 +140,10 @@ class SplitReadiness:
     B, ``weight_done(c)`` (a per-weight callback, or None) for the W about to run and
     ``after_weight_task(c)`` after it."""
 
-    def __init__(self, controller: GradSyncController, deferred: set, *, overlap_allowed: bool = True) -> None:
+    def __init__(self, controller: GradSyncController, deferred: set, *, overlap_allowed: bool = True,
+                 at_last_weight: bool = False) -> None:
         self._controller = controller
+        self._at_last_weight = at_last_weight
         m = controller.num_microbatches
         self._b_left = [m] * len(controller.models)
         self._w_left = [m] * len(controller.models)
@@ -156,7 +160,7 @@ class SplitReadiness:
 
     def after_backward(self, chunk: int) -> None:
         self._b_left[chunk] -= 1
-        if self._b_left[chunk] == 0 and self._chunks[chunk] is not None:
+        if self._b_left[chunk] == 0 and self._chunks[chunk] is not None and not self._at_last_weight:
             for param in self._chunks[chunk][1]:
                 self._ready(chunk, param)
 
@@ -169,6 +173,8 @@ class SplitReadiness:
     def after_weight_task(self, chunk: int) -> None:
         self._w_left[chunk] -= 1
         if self._w_left[chunk] == 0 and self._chunks[chunk] is not None:
+            for param in self._chunks[chunk][1] if self._at_last_weight else ():
+                self._ready(chunk, param)
             for param in self._chunks[chunk][2]:
                 self._ready(chunk, param)
 

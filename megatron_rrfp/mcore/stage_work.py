@@ -263,10 +263,12 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
     return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, split_backward_ok=False))
 
 
-def attach_split_readiness(work: MegatronStageWork, *, overlap_allowed: bool) -> None:
+def attach_split_readiness(work: MegatronStageWork, *, overlap_allowed: bool, at_last_weight: bool = False) -> None:
     """Overlapped DP reductions for a split backward (grad_sync.SplitReadiness), where
-    ``dp_overlap`` allows them inside the task loop."""
+    ``dp_overlap`` allows them inside the task loop; ``at_last_weight``: every bucket at the
+    chunk's last W (the epoch rule's DP point), none at its last B."""
     from ..split import megatron_linear as wgrad
 
     work.split_readiness = work.grad_sync.split_readiness(wgrad.deferred_parameters(work.models),
-                                                          overlap_allowed=overlap_allowed)
+                                                          overlap_allowed=overlap_allowed,
+                                                          at_last_weight=at_last_weight)

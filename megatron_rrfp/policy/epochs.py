@@ -13,11 +13,14 @@ holds back (the interval's earliest admitted task).
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .actions import Kind, Task
 from .arbiter import ArbiterConfig
+from .budget import BufferLimitError, is_auto, megatron_peak_in_flight, resolve_buffer_limit
 from .dryrun import DeadlockError, constant_durations
 from .dryrun import run as dry_run
 from .plan import Plan
@@ -43,6 +46,12 @@ class Timeline:
     epoch: dict = field(default_factory=dict)  # (producer stage, task) -> epoch of the message it sends
     index: dict = field(default_factory=dict)  # (stage, task) -> its position in orders[stage]
     point_of: dict = field(default_factory=dict)  # (stage, task) -> index g of the DP point it holds
+
+    def message_epoch(self, topology: Topology, dst: int, forward: bool, microbatch: int, chunk: int) -> int:
+        """The epoch of the message stage ``dst`` receives for its ``chunk`` (an activation if
+        ``forward``, else a gradient): its producer's task is one chunk away."""
+        src, produced_by = (topology.upstream if forward else topology.downstream)(dst, chunk)
+        return self.epoch[(src, Task(Kind.F if forward else Kind.B, microbatch, produced_by))]
 
 
 def megatron_orders(topology: Topology, num_microbatches: int, split: bool) -> list[list[Task]]:
@@ -200,4 +209,39 @@ class EpochBook:
         return self.timeline.points[g]
 
 
-__all__ = ["DPPoint", "EpochBook", "Timeline", "megatron_orders", "policy_orders", "static_timeline"]
+@functools.lru_cache(maxsize=16)
+def megatron_timeline(topology: Topology, num_microbatches: int, split: bool) -> Timeline:
+    """``static_timeline`` of Megatron's order, made once per layout (the runtime's every call reads it)."""
+    return static_timeline(topology, num_microbatches, split)
+
+
+def timeline_for(config: ArbiterConfig, topology: Topology, num_microbatches: int, split: bool) -> Timeline:
+    """The static timeline a job uses (docs/design/dp-epochs.md): Megatron's order where the
+    buffer limit holds Megatron's own peak, else the policy's nominal dry run at that limit (a
+    valid execution the memory rule admits). Read from the configured limit, not a rank's
+    measured one, so every rank of every replica has the same timeline; ``auto`` reads Megatron's."""
+    try:
+        peak = megatron_peak_in_flight(topology, num_microbatches)
+    except BufferLimitError:  # a layout Megatron's interleaved schedule refuses
+        peak = None
+    limit = peak if is_auto(config.buffer_limit) and peak is not None else \
+        resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
+    if peak is not None and limit >= peak:
+        return megatron_timeline(topology, num_microbatches, split)
+    own = dataclasses.replace(config, buffer_limit=limit, memory_bytes=None)
+    return static_timeline(topology, num_microbatches, split, policy_orders(own, topology, num_microbatches))
+
+
+def choose(book: EpochBook, arbiter, ready) -> Optional[Task]:
+    """The task a stage runs under the rule: the hint's choice among the tasks the rule allows,
+    or, where the hint waits, the interval's earliest admitted task (``EpochBook.fallback``).
+    The simulator and the executor both call this."""
+    allowed = book.allowed(ready)
+    if not allowed:
+        return None
+    task = arbiter.choose(allowed)
+    return task if task is not None else book.fallback(allowed, arbiter.admission_frontier())
+
+
+__all__ = ["DPPoint", "EpochBook", "Timeline", "choose", "megatron_orders", "megatron_timeline", "policy_orders",
+           "static_timeline", "timeline_for"]

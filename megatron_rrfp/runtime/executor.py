@@ -15,6 +15,10 @@ rounds there, so every TP rank issues them at the same point of its task sequenc
 ``can_dispatch()`` keeps the host at most a few tasks ahead of the device, and a
 received tensor is waited for (``Message.wait()``) only when the task that uses it runs.
 
+Under the DP epoch rule (``epochs``: an ``EpochBook``, docs/design/dp-epochs.md) the choice is
+``policy.epochs.choose`` — readiness-first between this stage's DP points, each DP point in its
+place of Megatron's order — and the transport issues rounds in epoch order.
+
 Profiling: every task runs inside a ``record_function`` / NVTX range named like "0F3"
 (``profiling.py``). With ``record_spans`` the report keeps each task's span (device time on
 CUDA), each wait, and each received message ("recv" spans from its arrival to its
@@ -32,6 +36,8 @@ import torch
 
 from ..policy.actions import Kind, Task, format_order
 from ..policy.arbiter import Arbiter
+from ..policy.epochs import EpochBook
+from ..policy.epochs import choose as choose_under_rule
 from ..policy.topology import Topology
 from ..trace.chrome import Span, message_key
 from .agreement import Agreed, AgreementError, TPAgreement
@@ -92,8 +98,10 @@ class PipelineIteration:
                  stage_ranks: list[int], transport, inbox: Inbox, agreement: Optional[TPAgreement],
                  timeout_s: float, forward_only: bool, record_spans: bool = False,
                  memory: Optional[ActivationMeter] = None, measure_task_bytes: bool = False,
-                 around_task: Optional[AroundTask] = None, deliver_message: Optional[Deliver] = None) -> None:
+                 around_task: Optional[AroundTask] = None, deliver_message: Optional[Deliver] = None,
+                 epochs: Optional[EpochBook] = None) -> None:
         self.work, self.arbiter, self.topology, self.stage = work, arbiter, topology, stage
+        self.epochs = epochs  # the DP epoch rule's book for this stage and iteration, or None
         self.around_task = around_task  # RRFPConfig.around_task: each F / B / W's work runs inside it
         inbox.deliver = deliver_message  # RRFPConfig.deliver_message: how arriving messages reach this loop
         self.memory = memory  # counts the messages waiting here as held activation memory
@@ -125,6 +133,11 @@ class PipelineIteration:
 
     def run(self) -> IterationReport:
         self._t0 = self.report.started_at = time.time()
+        use_epochs = getattr(self.transport, "use_epochs", None)
+        if use_epochs is not None:
+            use_epochs(self.epochs)  # set (or cleared) before this iteration's first message
+        elif self.epochs is not None:
+            raise ValueError("the DP epoch rule needs the rounds transport (--rrfp-transport rounds)")
         self._post_expectations()
         m = self.arbiter.num_microbatches
         if self.topology.is_first(self.stage, 0):
@@ -165,6 +178,8 @@ class PipelineIteration:
         enabled = self._enabled_by(task)  # decided now, so the next offer can include it
         self.ready.discard(task)
         self.arbiter.record(task)
+        if self.epochs is not None:
+            self.epochs.dispatched(task)
         if self.agreement is not None:
             self.agreement.commit(task)
             self._absorb()
@@ -186,7 +201,7 @@ class PipelineIteration:
                 return None
             room = self.transport.can_dispatch()
             if not self.arbiter.done and room:
-                task = self.arbiter.choose(self.ready)
+                task = self._choose(self.ready)
                 if task is not None:
                     return task
             self._wait_for_change((frozenset(self.ready), state, room))
@@ -228,7 +243,7 @@ class PipelineIteration:
         the same tasks). No exchange either way. None: exchange again."""
         if self.arbiter.done:
             return None
-        task = self.arbiter.choose(common)
+        task = self._choose(common)
         if task is not None or self.transport.state_words:
             return task  # the device transport's readiness comes from agreed counters only
         pending = [(src, at) for src, at in zip(self._links, positions) if at < self._expected[src]]
@@ -250,6 +265,11 @@ class PipelineIteration:
                 self.agreement.stats.followed += 1
                 return task
         return None
+
+    def _choose(self, candidates) -> Optional[Task]:
+        if self.epochs is None:
+            return self.arbiter.choose(candidates)
+        return choose_under_rule(self.epochs, self.arbiter, candidates)
 
     def _lead_or_listen(self, common: frozenset) -> Task:
         if self.agreement.leads:
@@ -461,6 +481,9 @@ class PipelineIteration:
         self.ready.difference_update((task, partner))
         self.arbiter.record_pair(task, partner)
         forward, backward = self.arbiter.pairs[-1]
+        if self.epochs is not None:
+            self.epochs.dispatched(backward)
+            self.epochs.dispatched(forward)
         if self.agreement is not None:
             self.agreement.commit(backward)
             self.agreement.commit(forward)

@@ -9,7 +9,10 @@ round's content to the follower, which issues round k, mirrored, at its next dec
 The executor never waits on the device while it has rounds to issue (``max_tasks_ahead``).
 
 Why neither the device queues nor the hosts can deadlock — with tensor, expert and data
-parallelism, and the B/W split's collectives inside W: docs/design/rounds-protocol.md.
+parallelism, and the B/W split's collectives inside W: docs/design/rounds-protocol.md. With
+an ``EpochBook`` (``use_epochs``: interleaving with DP communication in the task loop) rounds
+follow the DP epoch rule as well: one epoch per round, a rank's rounds in epoch order across
+both its pairs, each after the DP points of earlier epochs (docs/design/dp-epochs.md).
 
 The device and the host channel are injected (``Device``, ``HostChannel``): ``device.py``
 ships NCCL and gloo ones; tests drive the same protocol on an emulated single-queue device
@@ -27,7 +30,8 @@ import torch
 from .transport import HEADER_LEN, Header, Message, TransportError, TransportStats, decode_header, encode_header
 
 RECORD_LEN = 4 + HEADER_LEN  # type, three fields, a message header
-ANNOUNCE, HEADER, ROUND, BYE = 1, 2, 3, 4
+ANNOUNCE, HEADER, ROUND, BYE, COVER = 1, 2, 3, 4, 5
+LISTED = -1  # a ROUND record's "covers" field when COVER records name the follower's messages
 
 
 class Completion(Protocol):
@@ -67,6 +71,8 @@ def record(kind: int, a: int = 0, b: int = 0, c: int = 0, header: Optional[torch
 class _Out:
     header: torch.Tensor
     tensor: torch.Tensor  # referenced until its round completed
+    index: int = 0  # position among this pair's messages from this rank, since start-up
+    epoch: int = 0  # under the epoch rule
 
 
 @dataclass(slots=True)
@@ -76,12 +82,15 @@ class _Pair:
     peer: int
     leader: bool
     own: list = field(default_factory=list)  # produced here, not yet in an issued round
-    announced: list = field(default_factory=list)  # leader: follower headers not yet in a round
+    announced: list = field(default_factory=list)  # leader: (index, header) of follower messages not yet in a round
     received: int = 0  # leader: announcements received; follower: decisions received
     covered: int = 0  # announcements (of the follower's messages) in issued rounds
     produced: int = 0  # follower: own messages announced
-    decisions: list = field(default_factory=list)  # follower: (leader headers, covered after it), not issued
+    decisions: list = field(default_factory=list)  # follower: (leader headers, covered after it or the
+    # indices of the follower messages it covers), not issued
     partial: list = field(default_factory=list)  # follower: headers of the round being received
+    partial_covers: list = field(default_factory=list)  # follower: COVER indices of the round being received
+    arrived: int = 0  # messages from the peer in rounds issued here, since start-up
     issued: int = 0  # rounds issued here
     in_flight: list = field(default_factory=list)  # (completion, tensors kept alive)
 
@@ -132,6 +141,8 @@ class RoundTransport:
         self._delivered = {p: 0 for p in self._pairs}
         self._held: dict[int, list] = {p: [] for p in self._pairs}
         self._tasks: list[Completion] = []  # tasks launched and maybe not finished on the device
+        self._book = None  # policy.epochs.EpochBook of this iteration under the epoch rule (use_epochs)
+        self._stage_of, self._stage = stage_of, me
         self._stats = TransportStats()
         self._channel = channel_factory(self._on_record, self._fail)
 
@@ -148,9 +159,10 @@ class RoundTransport:
             raise ValueError(f"rank {self.rank}: {dst} is not a pipeline neighbour; neighbours: {sorted(self._pairs)}")
         tensor = tensor.detach().contiguous()
         header = encode_header(kind, microbatch, chunk, tensor)
+        epoch = 0 if self._book is None else self._epoch(self._stage_of[dst], kind, microbatch, chunk)
         with self._lock:
-            pair.own.append(_Out(header, tensor))
             index, pair.produced = pair.produced, pair.produced + 1
+            pair.own.append(_Out(header, tensor, index, epoch))
             self._stats.messages_sent += 1
             self._stats.bytes_sent += tensor.numel() * tensor.element_size()
         if not pair.leader:
@@ -164,6 +176,11 @@ class RoundTransport:
         self._budget[src] += count
         self._release(src)
 
+    def use_epochs(self, book) -> None:
+        """Follow the DP epoch rule with ``book`` (``policy.epochs.EpochBook``) from this
+        iteration on, or not (None); called before the iteration's ``expect``."""
+        self._book = book
+
     def local_state(self) -> tuple[int, ...]:
         """Per pair (by peer rank): announcements received (leader) / decisions received (follower)."""
         with self._lock:
@@ -172,11 +189,18 @@ class RoundTransport:
     def advance(self, state: tuple[int, ...]) -> None:
         """Issue every round ``state`` allows (the agreed counters: the same on all TP ranks)."""
         self._raise_if_failed()
-        for pair, agreed in zip(self._pairs.values(), state):
-            if pair.leader:
-                self._lead(pair, agreed)
-            else:
-                self._follow(pair, agreed)
+        progress = True
+        while progress:  # under the epoch rule a round on one pair can let the other pair's next one go
+            progress = False
+            for pair, agreed in zip(self._pairs.values(), state):
+                issued = pair.issued
+                if self._book is not None:
+                    self._lead_epoch(pair, agreed) if pair.leader else self._follow_epoch(pair, agreed)
+                elif pair.leader:
+                    self._lead(pair, agreed)
+                else:
+                    self._follow(pair, agreed)
+                progress |= self._book is not None and pair.issued > issued
 
     def can_dispatch(self) -> bool:
         return self._has_room()
@@ -212,24 +236,100 @@ class RoundTransport:
             outgoing, pair.own = pair.own, []
         if not incoming and not outgoing:
             return
+        self._issue_and_post(pair, outgoing, [header for _, header in incoming], agreed_announcements)
+        pair.covered = agreed_announcements
+
+    def _issue_and_post(self, pair: _Pair, outgoing: list[_Out], incoming: list[Header], covers: int,
+                        listed: tuple[int, ...] = ()) -> None:
+        """The leader's round: issued here, then its content to the follower (``listed``: the
+        follower's messages it carries, by index, where ``covers`` is ``LISTED``)."""
         k = pair.issued
         self._issue(pair, outgoing, incoming)
         for position, out in enumerate(outgoing):
             self._channel.post(pair.peer, record(HEADER, k, position, header=out.header))
-        self._channel.post(pair.peer, record(ROUND, k, agreed_announcements, len(outgoing)))
-        pair.covered = agreed_announcements
+        for position, index in enumerate(listed):
+            self._channel.post(pair.peer, record(COVER, k, position, index))
+        self._channel.post(pair.peer, record(ROUND, k, covers, len(outgoing)))
+
+    # ---- the DP epoch rule (docs/design/dp-epochs.md) -------------------------------------
+    def _epoch(self, dst_stage: int, kind: str, microbatch: int, chunk: int) -> int:
+        book = self._book
+        return book.timeline.message_epoch(book.topology, dst_stage, kind == "activation", microbatch, chunk)
+
+    def _arriving_epoch(self, pair: _Pair, index: int, header: Header) -> Optional[int]:
+        """The epoch of the ``index``-th message from ``pair.peer``; None if it belongs to the
+        peer's next iteration (beyond what this one expects), which waits for this rank's."""
+        if index >= self._budget[pair.peer]:
+            return None
+        return self._epoch(self._stage, header.kind, header.microbatch, header.chunk)
+
+    def _lead_epoch(self, pair: _Pair, agreed_announcements: int) -> None:
+        """Rounds of one epoch each, the lowest first, while this rank's book lets them go."""
+        while True:
+            with self._lock:
+                own = list(pair.own)
+                takeable = [(i, h) for i, h in pair.announced if i < agreed_announcements]
+            arriving = [(i, h, self._arriving_epoch(pair, i, h)) for i, h in takeable]
+            epochs = [out.epoch for out in own] + [e for _, _, e in arriving if e is not None]
+            if not epochs or not self._book.may_issue(epoch := min(epochs)):
+                return
+            outgoing = [out for out in own if out.epoch == epoch]
+            incoming = [(i, h) for i, h, e in arriving if e == epoch]
+            taken = {i for i, _ in incoming}
+            with self._lock:
+                pair.own = [out for out in pair.own if out.epoch != epoch]
+                pair.announced = [(i, h) for i, h in pair.announced if i not in taken]
+            self._issue_and_post(pair, outgoing, [h for _, h in incoming], LISTED, tuple(i for i, _ in incoming))
+            pair.covered += len(incoming)
+            self._book.issued(epoch, len(outgoing) + len(incoming))
+
+    def _follow_epoch(self, pair: _Pair, agreed_decisions: int) -> None:
+        """The leader's rounds in its order, each once this rank's book lets its epoch go."""
+        while pair.issued < agreed_decisions:
+            with self._lock:
+                headers, covers = pair.decisions[0]
+                outgoing = self._covered(pair, covers)
+            first = pair.arrived
+            arriving = [self._arriving_epoch(pair, first + n, h) for n, h in enumerate(headers)]
+            if None in arriving:
+                return  # the leader's next iteration: after this rank's
+            epochs = set(arriving) | {out.epoch for out in outgoing}
+            if len(epochs) != 1:
+                raise TransportError(f"rank {self.rank}{self._tag()}: round {pair.issued} from rank {pair.peer} "
+                                     f"carries messages of epochs {sorted(epochs)}; the epoch rule allows one")
+            epoch = epochs.pop()
+            if not self._book.may_issue(epoch):
+                return
+            with self._lock:
+                pair.decisions.pop(0)
+                taken = {id(out) for out in outgoing}
+                pair.own = [out for out in pair.own if id(out) not in taken]
+            self._issue(pair, outgoing, headers)
+            pair.covered += len(outgoing)
+            self._book.issued(epoch, len(outgoing) + len(headers))
+
+    def _covered(self, pair: _Pair, covers) -> list[_Out]:
+        """The follower's own messages a decision carries (a count since start-up, or listed)."""
+        if isinstance(covers, tuple):
+            wanted = set(covers)
+            found = [out for out in pair.own if out.index in wanted]
+        else:
+            found = pair.own[:covers - pair.covered]
+            wanted = range(pair.covered, covers)
+        if len(found) != len(wanted):
+            raise TransportError(f"rank {self.rank}{self._tag()}: round {pair.issued} from rank {pair.peer} covers "
+                                 f"messages of ours that were not announced ({pair.produced} were)")
+        return found
 
     def _follow(self, pair: _Pair, agreed_decisions: int) -> None:
         while pair.issued < agreed_decisions:
             with self._lock:
                 headers, covers = pair.decisions.pop(0)
-                take = covers - pair.covered
-                outgoing, pair.own = pair.own[:take], pair.own[take:]
-            if len(outgoing) != take:
-                raise TransportError(f"rank {self.rank}: round {pair.issued} from rank {pair.peer} covers "
-                                     f"{covers} of our messages, only {pair.produced} were announced")
+                outgoing = self._covered(pair, covers)
+                taken = {id(out) for out in outgoing}
+                pair.own = [out for out in pair.own if id(out) not in taken]
             self._issue(pair, outgoing, headers)
-            pair.covered = covers
+            pair.covered += len(outgoing)
 
     def _issue(self, pair: _Pair, outgoing: list[_Out], incoming: list[Header]) -> None:
         if self._exclusive:
@@ -239,6 +339,7 @@ class RoundTransport:
         buffers = [self.device.empty(h.shape, h.dtype) for h in incoming]
         completion = self.device.exchange(pair.peer, [o.tensor for o in outgoing], buffers)
         pair.issued += 1
+        pair.arrived += len(incoming)
         pair.in_flight.append((completion, [o.tensor for o in outgoing] + buffers))
         pair.in_flight = [(c, keep) for c, keep in pair.in_flight if not c.done()]
         with self._lock:
@@ -286,13 +387,16 @@ class RoundTransport:
             header = decode_header(torch.tensor(rec[4:], dtype=torch.int64)) if kind in (ANNOUNCE, HEADER) else None
             with self._lock:
                 if kind == ANNOUNCE and pair.leader and a == pair.received:
-                    pair.announced.append(header)
+                    pair.announced.append((a, header))
                     pair.received += 1
                 elif kind == HEADER and not pair.leader and a == pair.received and b == len(pair.partial):
                     pair.partial.append(header)
+                elif kind == COVER and not pair.leader and a == pair.received and b == len(pair.partial_covers):
+                    pair.partial_covers.append(c)
                 elif kind == ROUND and not pair.leader and a == pair.received and c == len(pair.partial):
-                    pair.decisions.append((pair.partial, b))
-                    pair.partial = []
+                    covers = tuple(pair.partial_covers) if b == LISTED else b
+                    pair.decisions.append((pair.partial, covers))
+                    pair.partial, pair.partial_covers = [], []
                     pair.received += 1
                 else:
                     raise TransportError(f"out-of-order or foreign record {rec[:4]} from rank {src}")
@@ -318,5 +422,5 @@ class RoundTransport:
         return f" [{self.name}]" if self.name else ""
 
 
-__all__ = ["ANNOUNCE", "BYE", "HEADER", "RECORD_LEN", "ROUND", "Completion", "Device", "HostChannel",
+__all__ = ["ANNOUNCE", "BYE", "COVER", "HEADER", "LISTED", "RECORD_LEN", "ROUND", "Completion", "Device", "HostChannel",
            "RoundTransport", "record"]

@@ -24,6 +24,7 @@ from ..policy.actions import Kind, Task
 from ..policy.arbiter import ArbiterConfig
 from ..policy.dryrun import DeadlockError, DryRun, _Pipeline, _task_time
 from ..policy.epochs import DPPoint, EpochBook, Timeline, megatron_orders, policy_orders, static_timeline
+from ..policy.epochs import choose as choose_under_rule
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from .variability import Realization
@@ -44,8 +45,7 @@ class _EpochPipeline(_Pipeline):
     def epoch_of(self, payload, dst: int) -> int:
         """The epoch of a message to ``dst``; the payload names the consumer's chunk."""
         direction, mb, chunk = payload
-        src, produced_by = (self.topology.upstream if direction == "F" else self.topology.downstream)(dst, chunk)
-        return self.timeline.epoch[(src, Task(Kind.F if direction == "F" else Kind.B, mb, produced_by))]
+        return self.timeline.message_epoch(self.topology, dst, direction == "F", mb, chunk)
 
     def send(self, src: int, dst: int, time: float, latency: float, payload) -> None:
         super().send(src, dst, time, latency, (*payload, src))
@@ -102,12 +102,7 @@ def run_with_epochs(config: ArbiterConfig, topology: Topology, num_microbatches:
             if busy_until[stage] is not None:
                 continue
             book, arbiter = pipe.books[stage], arbiters[stage]
-            choices = book.allowed(pipe.ready[stage])
-            if not choices:
-                continue
-            task = arbiter.choose(choices)
-            if task is None:
-                task = book.fallback(choices, arbiter.admission_frontier())
+            task = choose_under_rule(book, arbiter, pipe.ready[stage])
             if task is None:
                 continue
             pipe.ready[stage].discard(task)

@@ -34,6 +34,7 @@ import torch
 
 from megatron_rrfp.policy.actions import Task
 from megatron_rrfp.policy.arbiter import ArbiterConfig
+from megatron_rrfp.policy.epochs import EpochBook, timeline_for
 from megatron_rrfp.policy.plan import Plan
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.runtime.agreement import TPAgreement
@@ -82,13 +83,15 @@ class EmulatedJob:
     buckets: int = 2  # chunk 0's DDP buckets; later chunks have one (Megatron-LM's disable_bucketing)
     straggler: float = 1.0  # each (pipeline, stage) runs its device work at a speed factor in [1/x, x]
     dp_after_loop: bool = False  # --rrfp-dp-overlap after-loop: all-gathers before the loop, reductions after it
+    dp_epochs: bool = False  # --rrfp-dp-overlap epochs: the DP epoch rule instead of the whole-stage agreement
     pair: bool = False  # ArbiterConfig.pair_forward_backward: a ready F and B run as one combined step
 
     def describe(self) -> str:
         dp = (f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
               + (" grad-reduce" if self.overlap_grad_reduce else "")
               + (" param-gather" if self.overlap_param_gather else "")
-              + (" after-loop" if self.dp_after_loop else "")) if self.dp > 1 else ""
+              + (" after-loop" if self.dp_after_loop else "")
+              + (" epochs" if self.dp_epochs else "")) if self.dp > 1 else ""
         dp += " paired" if self.pair else ""
         return (f"PP={self.pp} TP={self.tp}{dp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
                 f"limit={self.buffer_limit} {self.protocol} seed={self.seed}")
@@ -99,7 +102,13 @@ class EmulatedJob:
         CUDA where it asks for it), unless this is the ablation that drops the rule."""
         overlap = self.overlap_grad_reduce or self.overlap_param_gather
         return (self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
-                and not self.dp_after_loop)
+                and not self.dp_after_loop and not self.dp_epochs)
+
+    @property
+    def epoch_rule(self) -> bool:
+        """The DP epoch rule applies (mcore/dp_overlap.py's ``epochs``: interleaved, DP > 1, overlap)."""
+        return self.dp_epochs and self.dp > 1 and self.chunks > 1 and (self.overlap_grad_reduce
+                                                                       or self.overlap_param_gather)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,10 +301,30 @@ class _RoundsUnagreed(RoundTransport):
         super().advance(self.local_state())
 
 
+class _RoundsWithoutEpochOrder(RoundTransport):
+    """Rule 1 of the epoch rule alone ("pin only the DP tasks"): rounds bundle and order
+    messages of any epochs (``_PinnedOnly`` drops the DP point's barrier to match)."""
+
+    def use_epochs(self, book) -> None:
+        super().use_epochs(None)
+
+
+class _PinnedOnly(EpochBook):
+    def allowed(self, ready) -> set:
+        lowest, self.lowest = self.lowest, len(self.open)  # every epoch counts as issued: no barrier
+        try:
+            return super().allowed(ready)
+        finally:
+            self.lowest = lowest
+
+
 _ROUNDS = {"rounds": RoundTransport, "rounds-without-ring-rule": _RoundsWithoutRingRule,
-           "rounds-unagreed": _RoundsUnagreed, "rounds-dp-unagreed": RoundTransport}
+           "rounds-unagreed": _RoundsUnagreed, "rounds-dp-unagreed": RoundTransport,
+           "rounds-without-epoch-order": _RoundsWithoutEpochOrder}
 """``rounds-dp-unagreed``: the shipped transport, but the agreement spans TP (and EP) only even
-where interleaved DP overlap needs every replica of the stage in it (mcore/dp_overlap.py)."""
+where interleaved DP overlap needs every replica of the stage in it (mcore/dp_overlap.py);
+``rounds-without-epoch-order``: under the epoch rule (``dp_epochs``), rule 1 only (tasks pinned
+at DP points, rounds free of epochs)."""
 PROTOCOLS = (*_ROUNDS, "early-receive")
 
 
@@ -432,9 +461,16 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
                 if job.tp * span > 1:
                     agreement = TPAgreement(collective, num_microbatches=job.microbatches,
                                             num_chunks=job.chunks, split_backward=split, forward_only=False)
-                report = PipelineIteration(work=work, arbiter=plan.arbiter(stage), topology=topology, stage=stage,
+                arbiter = plan.arbiter(stage)
+                book = None
+                if job.epoch_rule:
+                    timeline = timeline_for(plan.config, topology, job.microbatches, split)
+                    book = (_PinnedOnly if job.protocol == "rounds-without-epoch-order" else EpochBook)(
+                        timeline, topology, stage)
+                report = PipelineIteration(work=work, arbiter=arbiter, topology=topology, stage=stage,
                                            stage_ranks=pipeline, transport=transport, inbox=inbox,
-                                           agreement=agreement, timeout_s=job.timeout_s, forward_only=False).run()
+                                           agreement=agreement, timeout_s=job.timeout_s, forward_only=False,
+                                           epochs=book).run()
                 work.finish_iteration()
                 orders[rank].append(report.order_string)
                 device.mark().synchronize(job.timeout_s)  # the iteration's work is done on the device
@@ -480,10 +516,11 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
 
 
 def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), chunks=(1, 2, 3, 4),
-                quiet_s: float = 2.0, production: float = 0.5) -> list[EmulatedJob]:
+                quiet_s: float = 2.0, production: float = 0.5, dp_epochs: bool = False) -> list[EmulatedJob]:
     """``count`` random layouts and policies (PP, chunks, hint, buffer limit, delays); a
     ``production`` share of them are whole production jobs: two pipelines (DP=2) with DDP's
-    overlapped reductions and all-gathers, or MoE with EP=2 (all-to-alls in F and B)."""
+    overlapped reductions and all-gathers, or MoE with EP=2 (all-to-alls in F and B).
+    ``dp_epochs``: the same jobs, every interleaved DP=2 one under the DP epoch rule."""
     rng = random.Random(seed)
     choices = chunks
     jobs = []
@@ -501,6 +538,8 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
             grad, param = rng.choice(((True, True), (True, False), (False, True), (True, True)))
             dp = dict(dp=2, ep=rng.choice((1, 1, 2)), overlap_grad_reduce=grad, overlap_param_gather=param,
                       buckets=rng.choice((1, 2, 3)), dp_after_loop=chunks > 1 and rng.random() < 0.5)
+            if dp_epochs:
+                dp.update(dp_after_loop=False, dp_epochs=chunks > 1)
         jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches,
                                 hint=hint, buffer_limit=rng.choice((2, 4, 32)), protocol=protocol,
                                 seed=seed * 1000 + i, task_ms=(0.2, rng.choice((1.0, 3.0))),
@@ -511,12 +550,13 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
 
 
 def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0,
-                   dp_after_loop: bool = False) -> list[EmulatedJob]:
+                   dp_after_loop: bool = False, dp_epochs: bool = False) -> list[EmulatedJob]:
     """Interleaved DP=2 jobs made to separate the pipelines: PP 3-4, 2-3 chunks, overlapped
     reductions (all-gathers in half), stages at paces up to 3-6x apart, slow host channels —
     where dropping the whole-stage rule (``rounds-dp-unagreed``) can close a cycle through
     both pipelines (``runtime/rounds.py``: R(c) before round j on one, after round i on the other);
-    ``dp_after_loop``: the same jobs with the DP communication out of the loop instead."""
+    ``dp_after_loop``: the same jobs with the DP communication out of the loop instead;
+    ``dp_epochs``: under the DP epoch rule instead."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
@@ -527,7 +567,7 @@ def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0
                                 buckets=rng.choice((1, 3)), straggler=rng.choice((3.0, 6.0)),
                                 host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
                                 task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
-                                quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop))
+                                quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop, dp_epochs=dp_epochs))
     return jobs
 
 

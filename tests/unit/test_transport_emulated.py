@@ -62,6 +62,60 @@ def test_whole_production_jobs_on_two_pipelines_complete(kwargs):
         assert all(outcome.orders[s * 2] == outcome.orders[job.pp * 2 + s * 2] for s in range(job.pp))
 
 
+def _pinned_at_dp_points(job: EmulatedJob, outcome) -> None:
+    """Every rank's every order holds each of its stage's DP points at its place of the static
+    timeline: exactly the timeline's tasks before it, in any order, come first."""
+    from megatron_rrfp.policy.actions import parse_order
+    from megatron_rrfp.policy.arbiter import ArbiterConfig
+    from megatron_rrfp.policy.epochs import timeline_for
+    from megatron_rrfp.policy.plan import Plan
+    from megatron_rrfp.policy.topology import Topology
+
+    topology = Topology(job.pp, job.chunks)
+    config = ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit)
+    timeline = timeline_for(config, topology, job.microbatches,
+                            Plan.build(config, topology, job.microbatches).split_backward)
+    for rank, orders in outcome.orders.items():
+        stage = (rank % (job.pp * job.tp)) // job.tp
+        static = timeline.orders[stage]
+        for text in orders:
+            order = parse_order(text)
+            for point in (p for p in timeline.points if p.stage == stage):
+                at = static.index(point.task)
+                assert order.index(point.task) == at and set(order[:at]) == set(static[:at]), (rank, point, text)
+
+
+@pytest.mark.parametrize("kwargs", [
+    # the DP epoch rule (--rrfp-dp-overlap epochs): DP collectives where megatron issues them, replicas independent
+    dict(pp=4, chunks=4, microbatches=4, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3),
+    dict(pp=3, chunks=2, microbatches=6, hint="bf", overlap_grad_reduce=True, overlap_param_gather=True),
+    dict(pp=3, chunks=2, microbatches=3, hint="bfw", ep=2, overlap_grad_reduce=True),
+    dict(pp=4, chunks=3, microbatches=4, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=3.0,
+         channel_latency_ms=5.0, task_ms=(0.2, 1.0), seed=105),
+    dict(pp=4, chunks=2, microbatches=8, hint="bf", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3,
+         straggler=6.0, channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108, buffer_limit=4),
+])
+def test_production_jobs_under_the_epoch_rule_complete_with_dp_points_pinned(kwargs):
+    job = EmulatedJob(**{"dp": 2, "straggler": 3.0, "host_jitter_ms": 3.0, "quiet_s": 3.0, "seed": 3,
+                         "dp_epochs": True, **kwargs})
+    assert job.epoch_rule and not job.whole_stage
+    outcome = run_emulated(job)
+    assert outcome.completed, outcome.error
+    _pinned_at_dp_points(job, outcome)
+
+
+def test_random_jobs_under_the_epoch_rule_complete():
+    """The random jobs' interleaved DP=2 jobs (some with EP=2) under the epoch rule, the rest as
+    they are; scripts/emulate_transport.py --dp-epochs runs 100 (docs/design/dp-epochs.md)."""
+    jobs = [job for job in random_jobs(24, seed=5, protocol="rounds", quiet_s=3.0, dp_epochs=True) if job.dp > 1]
+    assert sum(job.epoch_rule for job in jobs) >= 4, [job.describe() for job in jobs]
+    for job in jobs:
+        outcome = run_emulated(job)
+        assert outcome.completed, (job.describe(), outcome.error)
+        if job.epoch_rule:
+            _pinned_at_dp_points(job, outcome)
+
+
 def test_replicas_that_issue_different_collectives_are_caught():
     """The fabric pairs a group's n-th collectives and fails the job when they differ (NCCL
     would hang on different sizes and corrupt on equal ones): what a DP rule must prevent."""
