@@ -11,7 +11,7 @@ just before ranks start: ``announce``).
 How the ranks learn it: the entry point sets ``MEGATRON_RRFP_QUIET_DEPENDENCIES=1`` in
 its environment, which every rank inherits (torchrun's children, the local launcher's
 fork server and its ranks); each of them calls ``from_environment()`` before it imports
-megatron-core (the fork server imports ``megatron_rrfp.dist.rank_filters`` first).
+megatron-core (the fork server imports ``megatron_rrfp.launch.rank_filters`` first).
 
 ``import megatron_rrfp`` and its library calls touch no filter. A user's own choice wins:
 with ``PYTHONWARNINGS`` or ``-W`` set nothing is hidden (``PYTHONWARNINGS=default``

@@ -30,7 +30,7 @@ def body(f0_s: float, num_microbatches: int, iterations: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rrfp.bench.hooks import sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report
@@ -89,7 +89,7 @@ def main() -> None:
     for name in ("f0_ms", "microbatches", "iterations"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     results = launch(body, world_size=2 * args.pp, tp=2, pp=args.pp, timeout=900,
                      args=(args.f0_ms / 1000, args.microbatches, args.iterations))

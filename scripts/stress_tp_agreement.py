@@ -32,7 +32,7 @@ def main() -> int:
     from tqdm import tqdm
 
     from helpers.failures import stress
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", type=int, default=500, help="random delay patterns (default 500)")

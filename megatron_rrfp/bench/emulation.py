@@ -8,13 +8,13 @@ On CUDA (``bench --device cuda``) the modeled time is a sleep kernel on the rank
 stream ahead of the task's real kernels, and the task ends when the stream has drained (a
 sync point), so spans and send times are the device's, for every schedule alike.
 
-Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``hooks.py``):
+Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``around_schedules.py``):
 * every task: sleep F / B / W of (stage, chunk, microbatch) — F and B inside megatron-core's
   ``forward_step`` / ``backward_step`` (``wrap_megatron_tasks``), RRFP's W through
   ``RRFPConfig.around_task`` (``rrfp_options``);
 * message latency — a message becomes usable at (its send time + modeled latency):
   Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox is handed the
-  message then (``RRFPConfig.deliver_message``: ``hooks.HeldMessages``). Send times go
+  message then (``RRFPConfig.deliver_message``: ``around_schedules.HeldMessages``). Send times go
   through a small table in shared memory (one machine), written by the sender right after the
   task that produced it.
 """
@@ -33,7 +33,7 @@ from ..policy.hints import megatron_1f1b_order
 from ..policy.topology import Topology
 from ..sim.variability import Realization
 from ..trace.chrome import Span
-from .hooks import HeldMessages, weight_tasks, wrap_megatron_tasks
+from .around_schedules import HeldMessages, weight_tasks, wrap_megatron_tasks
 
 _F, _B = 0, 1
 

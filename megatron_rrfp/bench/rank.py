@@ -43,9 +43,9 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     from ..policy.topology import Topology
     from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
+    from .around_schedules import count_in_flight, count_received
     from .comm_emulation import comm_emulator
     from .emulation import DeviceTimeEmulator, SendTimeTable
-    from .hooks import count_in_flight, count_received
 
     enable_cpu_reference_schedules()  # a no-op in a rank on CUDA
     device = pipeline_device()

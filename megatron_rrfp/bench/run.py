@@ -15,7 +15,7 @@ Memory, per rank and schedule (max over the measured iterations; the table shows
 over ranks): peak activation bytes of the schedule call (runtime/memory.py: the CUDA
 allocator's peak, or on CPU the bytes held for backward — saved tensors, waiting messages,
 deferred W) and peak (microbatch, chunk) forwards in flight (RRFP: its arbiter; Megatron:
-counted around its own tasks, bench/hooks.py).
+counted around its own tasks, bench/around_schedules.py).
 """
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
 def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
     from tqdm import tqdm
 
-    from ..dist.launcher import launch
+    from ..launch.function import launch
     from ..quiet import announce
     from .emulation import SendTimeTable, remove_stale_tables, shared_table_path
 
@@ -335,31 +335,20 @@ def _run_with_torch_launcher(config: BenchConfig, world: int, progress_path: str
     import pickle
     import shutil
     import subprocess
-    import sys
     import tempfile
+
+    from ..dist.env import for_gloo_ranks
+    from ..launch.torchrun import run_module_subprocess
 
     run_dir = tempfile.mkdtemp(prefix="rrfp-bench-")
     try:
         with open(os.path.join(run_dir, "config.pkl"), "wb") as handle:
             pickle.dump((config, progress_path, table_path), handle)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc-per-node", str(world), "--module", "megatron_rrfp.bench.rank", run_dir]
-        from ..dist.env import HIDDEN_CUDA, gloo_on_loopback
-
         env = dict(os.environ)
         if config.device == "cpu":  # gloo ranks: no GPU (env.hide_cuda), loopback (containers' hostnames)
-            env.update(HIDDEN_CUDA)
-            gloo_on_loopback(env)
-        with subprocess.Popen(command, env=env) as ranks:
-            try:
-                status = ranks.wait(timeout=config.timeout_s)
-            finally:
-                if ranks.poll() is None:  # timed out, or this thread is being torn down
-                    ranks.terminate()
-                    try:
-                        ranks.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        ranks.kill()
+            for_gloo_ranks(env)
+        status = run_module_subprocess(world, "megatron_rrfp.bench.rank", [run_dir], env=env,
+                                       timeout_s=config.timeout_s)
         if status:
             raise RuntimeError(f"bench --device cuda: torch's launcher exited with status {status} (the failed "
                                "rank's error is above)")

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..megatron_lm.hookpoints import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
+from ..megatron_lm.layout import FUSED_KERNELS_MODULE, INITIALIZE_MODULE, megatron_arguments_module, rebind_loaded
 from .megatron_core import cpu_tensor_types_named_as_cuda, enable_cpu_reference_schedules, runs_on_cuda
 from .standins import CUDA_CALLS, FACTORIES, CpuDeviceProperties, cpu_factory
 

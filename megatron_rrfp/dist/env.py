@@ -1,4 +1,4 @@
-"""Where this process sits in the job, its process group, and ``--nproc`` local launches.
+"""Where this process sits in the job, its process group, and the environment every launch sets up.
 
 The rank comes from, in order:
   torchrun (or any torch.distributed launcher): RANK, WORLD_SIZE, LOCAL_RANK,
@@ -7,7 +7,7 @@ The rank comes from, in order:
       is the first host of SLURM_JOB_NODELIST (``scontrol show hostnames``) unless
       MASTER_ADDR is set, the port MASTER_PORT or 20000 + job id mod 20000;
   nothing: a single process.
-(``--nproc N`` sets the torchrun variables: ``forked.py`` on CPU, torch's launcher, ``torchrun.py``, on GPUs.)
+(Local launches set the torchrun variables; how ranks get started is ``megatron_rrfp/launch/``.)
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+LOOPBACK = "127.0.0.1"
+"""Where local ranks meet: the launching process's rendezvous store, the ranks' MASTER_ADDR."""
 HIDDEN_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 """What a CPU run's processes get on a GPU host: no visible CUDA device (see ``hide_cuda``)."""
 
@@ -39,6 +41,13 @@ def gloo_on_loopback(environ: MutableMapping[str, str] = os.environ) -> None:
     resolving the hostname, which containers often resolve to an address with no route."""
     if "GLOO_SOCKET_IFNAME" not in environ and os.path.exists("/sys/class/net/lo"):
         environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def for_gloo_ranks(environ: MutableMapping[str, str]) -> None:
+    """The environment of local gloo ranks: loopback (``gloo_on_loopback``) and no visible CUDA
+    device (``hide_cuda``: a CUDA device they could see would draw megatron-core's buffers to it)."""
+    gloo_on_loopback(environ)
+    hide_cuda(environ)
 
 
 def cuda_hidden(environ: Mapping[str, str] = os.environ) -> bool:

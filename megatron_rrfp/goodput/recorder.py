@@ -10,7 +10,7 @@ same order (pass ``gather=False`` to record rank 0's own breakdown only, no coll
 With ``ledger_path=None`` (flag not given) every method is a no-op on every rank.
 
 The call sites -- ``megatron-rrfp train``'s driver (``megatron_rrfp/train/driver.py``) and the
-Megatron-LM hooks (``megatron_rrfp/megatron_lm/hooks.py``) -- are sketched in docs/goodput.md.
+Megatron-LM hooks (``megatron_rrfp/megatron_lm/training_loop.py``) -- are sketched in docs/goodput.md.
 
 A data wait outside any iteration (e.g. the first prefetch): ``recorder.data_wait(seconds)``
 right after it ended. Inside an iteration, pass it as ``data_wait_s`` instead (not both).

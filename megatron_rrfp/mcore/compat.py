@@ -2,7 +2,7 @@
 
 Everything else in megatron_rrfp calls megatron-core's per-microbatch functions and reads
 its process groups through here; what has to be bent to run on a CPU-only host is in
-``megatron_rrfp/cpu/``, where Megatron-LM's training loop is hooked in ``megatron_lm/hookpoints.py``.
+``megatron_rrfp/cpu/``, where Megatron-LM's training loop is hooked in ``megatron_lm/layout.py``.
 
 Supported: megatron-core 0.15 - 0.19 (0.16.1 is what CPU CI installs; PyPI has no newer
 release for Python 3.11).

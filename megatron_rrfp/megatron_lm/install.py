@@ -19,7 +19,7 @@ Megatron-LM's ``pretrain`` (inert unless such a run is active); once the flags s
 the names that megatron.training.training looks up at call time (setup_model_and_optimizer,
 load_checkpoint, save_checkpoint_and_time, save_checkpoint, train_step) are wrapped so that
 every rank adds its rrfp-* breakdown to Megatron's timers, feeds a GoodputRecorder and
-writes merged Chrome/Perfetto traces (megatron_lm/hooks.py). ``megatron-rrfp goodput PATH``
+writes merged Chrome/Perfetto traces (megatron_lm/training_loop.py). ``megatron-rrfp goodput PATH``
 reads the ledger.
 
 megatron-core alone (no megatron.training, e.g. the 0.16.1 wheel)::
@@ -43,9 +43,9 @@ from typing import Optional
 from ..dist.env import print_line
 from ..mcore import compat
 from ..mcore.config import RRFPConfig, defaults, set_defaults
-from . import hookpoints
+from . import layout
 from .flags import PIPELINE_SCHEDULES, add_rrfp_arguments, validate_rrfp_arguments
-from .hooks import HookOptions, MegatronLMHooks
+from .training_loop import HookOptions, MegatronLMHooks
 
 __all__ = ["install", "uninstall", "routed", "get_forward_backward_func"]
 
@@ -114,7 +114,7 @@ def routed() -> bool:
 
 
 def _hook_arguments() -> None:
-    module = hookpoints.megatron_arguments_module()
+    module = layout.megatron_arguments_module()
     if module is None or _state.arguments_module is not None:
         return  # megatron-core only, or already hooked
     original = getattr(module, _ARGS_HOOK)
@@ -177,10 +177,10 @@ def _hook_training_loop() -> None:
     """Wrap Megatron-LM's pretrain now, before the entry script imports it by name."""
     if _state.arguments_module is None or _state.training_hooks is not None:
         return  # megatron-core only, or already attached
-    training = hookpoints.megatron_training_module()
+    training = layout.megatron_training_module()
     if training is None:
         return
-    get_args, get_timers = hookpoints.megatron_lm_globals()
+    get_args, get_timers = layout.megatron_lm_globals()
     _state.training_hooks = MegatronLMHooks(training, get_args=get_args, get_timers=get_timers)
     _state.training_hooks.attach()
 
@@ -210,8 +210,8 @@ def _route() -> None:
     if _state.original_lookup is not None:
         return
     original = compat.megatron_schedule_lookup()
-    hookpoints.schedule_lookup_modules()  # both must be loaded before the rebind below
-    _state.routed_modules = hookpoints.rebind_loaded(_LOOKUP, original, get_forward_backward_func)
+    layout.schedule_lookup_modules()  # both must be loaded before the rebind below
+    _state.routed_modules = layout.rebind_loaded(_LOOKUP, original, get_forward_backward_func)
     _state.original_lookup = original
 
 
@@ -222,7 +222,7 @@ def _unroute() -> None:
         if getattr(module, _LOOKUP, None) is get_forward_backward_func:
             setattr(module, _LOOKUP, _state.original_lookup)
     # Modules imported while routed copied the replacement: put Megatron's back there too.
-    hookpoints.rebind_loaded(_LOOKUP, get_forward_backward_func, _state.original_lookup, exclude=(__name__,))
+    layout.rebind_loaded(_LOOKUP, get_forward_backward_func, _state.original_lookup, exclude=(__name__,))
     _state.original_lookup, _state.routed_modules = None, []
 
 

@@ -151,7 +151,7 @@ class ActivationMeter:
 
     def hold_until_freed(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage until the tensor's last reference goes: a buffer a
-        schedule keeps without telling the meter (Megatron's received tensors, bench/hooks.py)."""
+        schedule keeps without telling the meter (Megatron's received tensors, bench/around_schedules.py)."""
         key = _storage_key(tensor) if self.method == SAVED_TENSORS else None
         if key is not None and key[0] not in self._persistent:
             self._add(key)

@@ -193,7 +193,7 @@ def gpt_equivalence(ctx, *, tp: int = 1, pp=None, chunks: int = 1, iterations: i
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from ..bench.hooks import sleep_before_tasks
+    from ..bench.around_schedules import sleep_before_tasks
     from ..mcore.config import RRFPConfig
     from ..mcore.session import shutdown
     from ..train import models

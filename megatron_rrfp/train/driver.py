@@ -30,7 +30,7 @@ with the same ledger path so one report covers the whole job::
 
 A rank without progress for ``--rrfp-timeout`` seconds, or whose pipeline peer died,
 raises PipelineStallError with its state (peer, ready set, counters). ``--nproc`` starts the
-ranks (``--cpu``: forked after one import, dist/forked.py; GPUs: torch's own launcher,
+ranks (``--cpu``: forked after one import, launch/forked.py; GPUs: torch's own launcher,
 torch.distributed.run, standalone rendezvous); either stops the other ranks with SIGTERM
 when one fails; a stopped rank first finishes reporting
 its own failure (signals.py) and the command exits non-zero (128 + signal for a killed rank).
@@ -332,7 +332,7 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
     import torch
 
     from ..goodput.recorder import publish_to_timers
-    from ..megatron_lm.hooks import TraceWriter, trace_due
+    from ..megatron_lm.training_loop import TraceWriter, trace_due
     from .metrics import LogField
 
     report = _iteration_report_func(cfg)

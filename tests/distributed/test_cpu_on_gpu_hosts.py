@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rrfp import cli
 from megatron_rrfp.dist.env import cuda_hidden
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 
 def _what_a_rank_sees() -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.cpu_reference import train_losses
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                "--num-layers", "4"]

@@ -145,7 +145,7 @@ def test_production_selfcheck_steps_run_on_cpu():
     --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer in bf16, MoE
     EP2 x PP2 (alltoall), and the fp32 DP-overlap step with its DP communication out of the loop
     (Megatron-LM's grad_sync_func / param_sync_func set), each against Megatron's own schedule."""
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     for results in launch(_production_steps_on_cpu, world_size=4, tp=1, pp=2, timeout=360):
         assert [status for status, _ in results] == ["PASS", "PASS", "PASS"], results

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.equivalence import Case, run_cases
 from helpers.failures import api_contract, stress, unresponsive_peer
-from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
+from megatron_rrfp.launch.function import DistributedTestFailure, launch
 from megatron_rrfp.policy.hints import OrderedHint
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""``train --cpu --nproc N``'s launcher (dist/forked.py): ranks forked from one process keep
+"""``train --cpu --nproc N``'s launcher (launch/forked.py): ranks forked from one process keep
 what torch's launcher gives its ranks — torchrun's environment and one rendezvous, every
 rank stopped when one fails, a signal to the launcher passed on, nothing left behind.
 
@@ -21,7 +21,7 @@ import pytest
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = ("import sys; sys.path.insert(0, {tests!r})\n"
-            "from megatron_rrfp.dist.forked import run_module_forked\n"
+            "from megatron_rrfp.launch.forked import run_module_forked\n"
             "sys.exit(run_module_forked(3, 'helpers.rank_probe', [{action!r}], env={{'OMP_NUM_THREADS': '1'}},"
             " preload=('torch.distributed',)))\n")
 

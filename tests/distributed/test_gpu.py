@@ -99,7 +99,7 @@ def test_equivalence_steps_run_on_cpu_at_tp2_pp2_with_and_without_chunks():
     """The equivalence steps' code (layouts, Megatron's interleaved reference) on gloo: TP2 x
     PP2 without and with 2 chunks (the GPU steps: TP2xPP2, PP4 x 2 chunks x DP2; DP > 1 is not
     run here: megatron-core 0.19's DDP reduction calls torch.cuda.current_stream)."""
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     for results in launch(_equivalence_on_cpu, world_size=4, tp=2, pp=2, timeout=360):  # CPU redirects too
         assert [status for status, _ in results] == ["PASS", "PASS"], results
@@ -111,7 +111,7 @@ def test_stress_step_over_rounds_on_gloo_tp2_pp2():
     """The nccl-stress step's own pipeline (20 iterations, a TP all-reduce in every task) on
     the CPU twin of the NCCL path: rounds over gloo, 4 ranks = TP2 x PP2. With the buffer
     limit drawn per rank (the bug this guards), the TP ranks of a stage disagree at once."""
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     problems = launch(_stress_on_cpu, world_size=4, tp=2, pp=2, timeout=360, init_megatron=False)
     assert problems == ["", "", "", ""], problems

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers import mlp
-from megatron_rrfp.dist import launcher as launcher_module
-from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
+from megatron_rrfp.launch import function as launcher_module
+from megatron_rrfp.launch.function import DistributedTestFailure, launch
 
 SEQ, MBS, VOCAB, MICROBATCHES = 8, 2, 64, 4
 

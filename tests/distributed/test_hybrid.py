@@ -13,7 +13,7 @@ from test_executor import _check
 
 from helpers.interleaved import compare_interleaved_transports
 from helpers.train_cli import TINY, losses, train
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 from megatron_rrfp.mcore.compat import hybrid_model_unavailable
 
 MISSING = hybrid_model_unavailable()

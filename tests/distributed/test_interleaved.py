@@ -10,7 +10,7 @@ import pytest
 from test_executor import _check
 
 from helpers.interleaved import compare_interleaved_transports
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 
 @pytest.mark.timeout(400)

@@ -77,6 +77,6 @@ def shims_probe() -> bool:
 def test_the_cpu_launchers_shims_build_llavas_vit_and_clip_cpu_grads():
     """Without TE, CLIPViTModel's default ln_pre (torch.nn.LayerNorm) is called with config=;
     megatron-core's clipping asserts CUDA grads."""
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     assert launch(shims_probe, world_size=1, timeout=540) == [True]  # ~8 s of CPU; the wall is the host's load

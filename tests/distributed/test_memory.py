@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.memory import MICROBATCHES, memory_checks, message_bytes
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 from megatron_rrfp.policy.budget import AUTO_MARGIN
 from megatron_rrfp.runtime.memory import ActivationMeter
 

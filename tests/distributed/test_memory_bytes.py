@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from helpers.byte_budget import bytes_and_gradients
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 
 def _check(results: list[dict]) -> list[float]:
-    # Megatron's receive buffers counted, as RRFP's meter counts its waiting messages (bench/hooks.py)
+    # Megatron's receive buffers counted, as RRFP's meter counts its waiting messages (bench/around_schedules.py)
     megatron = max(r["megatron"]["bytes_with_receives"] for r in results)
     assert all(r["megatron"]["bytes_with_receives"] >= r["megatron"]["bytes"] for r in results)
     ratios = []

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import messages
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 from megatron_rrfp.runtime.transport import (
     HEADER_LEN,
     MAX_DIMS,

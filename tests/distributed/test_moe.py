@@ -14,7 +14,7 @@ import pytest
 
 from helpers.equivalence import Case, run_cases
 from helpers.interleaved import compare_interleaved_cases
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 TOL = 1e-5
 

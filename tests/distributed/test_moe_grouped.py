@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 
 from helpers.equivalence import Case, grouped_gemm_cases
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 TOL = 1e-5
 TE_VERSIONS = ("2.8", "2.15")  # megatron-core passes single_grouped_weight / _bias to TE >= 2.14 only

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.equivalence import Case, run_cases
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 TOL = 1e-5
 

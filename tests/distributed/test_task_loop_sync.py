@@ -11,7 +11,7 @@ import pytest
 
 from helpers.equivalence import Case
 from helpers.sync_probe import SyncProbe, syncs_in_task_loop
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 # train/ holds the forward step and data of the project's own driver: the user's side of the
 # schedule (Megatron-LM's pretrain_gpt.py there), not RRFP's. The rounds transport reads its

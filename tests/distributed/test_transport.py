@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from megatron_rrfp.dist.launcher import DistributedTestFailure, launch
+from megatron_rrfp.launch.function import DistributedTestFailure, launch
 from megatron_rrfp.runtime.transport import (
     HEADER_LEN,
     MAX_DIMS,

@@ -16,7 +16,7 @@ import contextlib
 import pytest
 
 from helpers import mlp
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 SEQ, MBS, VOCAB, MICROBATCHES = 16, 2, 64, 4
 B_ORDER = [2, 0, 3, 1]

@@ -17,7 +17,7 @@ import contextlib
 
 import pytest
 
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 
 HIDDEN, FFN, SEQ, MBS, MICROBATCHES = 16, 32, 8, 2, 4
 

@@ -36,7 +36,7 @@ def _launch_that(action):
     (lambda: (_ for _ in ()).throw(RuntimeError("rank 2 died")), RuntimeError),
 ])
 def test_the_table_is_removed_on_any_exit(tmp_path, monkeypatch, ending, expected):
-    monkeypatch.setattr("megatron_rrfp.dist.launcher.launch", _launch_that(ending))
+    monkeypatch.setattr("megatron_rrfp.launch.function.launch", _launch_that(ending))
     config = bench_run.BenchConfig(out_dir=str(tmp_path))
     # the bench takes SIGTERM / SIGHUP only where they are at their defaults (a caller's own handler
     # wins); start from there, whatever an earlier test in this worker process left installed

@@ -68,8 +68,8 @@ class NoProcesses:
         self.patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         self.patch.setattr(os, "fork", refuse)
         self.patch.setattr(os, "posix_spawn", refuse)
-        self.patch.setattr("megatron_rrfp.dist.launcher.launch", refuse)
-        self.patch.setattr("megatron_rrfp.dist.torchrun.run_module", refuse)
+        self.patch.setattr("megatron_rrfp.launch.function.launch", refuse)
+        self.patch.setattr("megatron_rrfp.launch.torchrun.run_module", refuse)
         return self
 
     def __exit__(self, *exc):

@@ -243,7 +243,7 @@ def _rrfp_job_with_recorder(path: str):
     from megatron.core.timers import Timers
 
     from helpers import mlp
-    from megatron_rrfp.bench.hooks import sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.goodput.recorder import breakdown_vector
     from megatron_rrfp.mcore.config import RRFPConfig
@@ -283,7 +283,7 @@ def _rrfp_job_with_recorder(path: str):
 
 @pytest.mark.timeout(300)
 def test_real_rrfp_iterations_on_two_ranks_fill_ledger_and_megatron_timers(tmp_path):
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
 
     path = str(tmp_path / "goodput.db")
     (vectors0, log0), (vectors1, _) = launch(_rrfp_job_with_recorder, world_size=2, timeout=270, args=(path,))

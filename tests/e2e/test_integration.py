@@ -23,7 +23,7 @@ import types
 
 import pytest
 
-from megatron_rrfp.dist.launcher import launch
+from megatron_rrfp.launch.function import launch
 from megatron_rrfp.megatron_lm import install as integration
 
 REAL_TRAINING = importlib.util.find_spec("megatron.training") is not None
@@ -372,7 +372,7 @@ def test_launcher_runs_the_script_as_main_and_cpu_mode_redirects_cuda_calls(tmp_
 
 
 def test_launcher_rejects_a_missing_script(tmp_path, capsys):
-    from megatron_rrfp.megatron_lm.launch import main
+    from megatron_rrfp.launch.megatron_lm import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "no_such_script.py")])

@@ -12,7 +12,7 @@
 A rank is killed by a fault-injection hook this test installs from outside the package
 (``helpers/fault_site/sitecustomize.py`` on the job's PYTHONPATH). Every launch is a
 process started here (forked after torch's import: helpers/cli_fork.py), with a timeout;
-``--nproc`` runs the launcher (dist/forked.py) in that process and its ranks die with it, so
+``--nproc`` runs the launcher (launch/forked.py) in that process and its ranks die with it, so
 killing the launcher (ours) leaves nothing behind.
 Ledger write failures mid-write and corrupt / missing ledgers are covered by
 tests/e2e/test_goodput.py.
@@ -45,7 +45,7 @@ LAUNCH_TIMEOUT_S = 120
 FAULT_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "fault_site")
 # From the kill to the command's exit: the survivor notices (a dead peer at once through
 # the transport, a silent one after --rrfp-timeout), reports, and exits. The launcher
-# (dist/forked.py, as torch.distributed.run) SIGTERMs it as soon as it sees the dead rank; the survivor's
+# (launch/forked.py, as torch.distributed.run) SIGTERMs it as soon as it sees the dead rank; the survivor's
 # handler lets it finish its report (train/signals.py) and exit with its own status; the
 # launcher would SIGKILL it only 30 s later.
 EXIT_BOUND_S = RRFP_TIMEOUT_S + 4.0

@@ -132,7 +132,7 @@ def test_data_path_without_one_sample_is_refused_on_every_rank_before_any_collec
     short = write_indexed_dataset(str(tmp_path / "short"), [list(range(20))])
     argv = flags(short, str(tmp_path / "ckpt"))
     at = argv.index("--nproc")
-    script = ("import sys; from megatron_rrfp.dist.torchrun import run_module; sys.exit(run_module(2, "
+    script = ("import sys; from megatron_rrfp.launch.torchrun import run_module; sys.exit(run_module(2, "
               f"'megatron_rrfp.train', {argv[:at] + argv[at + 2:]!r}, env={{'CUDA_VISIBLE_DEVICES': ''}}))")
     start = time.monotonic()
     ranks = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,

@@ -13,7 +13,7 @@ def bytes_and_gradients(*, sequence_parallel: bool, microbatches: int, calls: in
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import count_in_flight, count_received, sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import count_in_flight, count_received, sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.compat import pipeline_device
     from megatron_rrfp.mcore.config import RRFPConfig

@@ -2,7 +2,7 @@
 
 A ``train`` subprocess spent ~6 s of CPU importing torch and megatron-core before it parsed
 a flag, and the suite started a dozen of them. Here the command runs in a fork of the
-launcher's fork server (``megatron_rrfp.dist.launcher``: one per test worker, torch and
+launcher's fork server (``megatron_rrfp.launch.function``: one per test worker, torch and
 megatron-core imported once, no thread, never a tensor op), with its own environment,
 working directory and stdout / stderr files: ``cli.main(ARGS)``, then what the interpreter
 does at exit (non-daemon threads joined, atexit handlers run), and its status as the exit
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
-from megatron_rrfp.dist.launcher import start_fork_server  # one server (CUDA hidden), whoever starts it
+from megatron_rrfp.launch.function import start_fork_server  # one server (CUDA hidden), whoever starts it
 
 FOLLOW_INTERVAL_S = 0.02
 
@@ -134,7 +134,7 @@ def _command_main(argv: list[str], env: dict, cwd: str, stdout_path: str, stderr
     import warnings
 
     from megatron_rrfp.dist.env import die_with_parent
-    from megatron_rrfp.dist.forked import exit_as_the_interpreter_would
+    from megatron_rrfp.launch.forked import exit_as_the_interpreter_would
 
     def run() -> Optional[int]:
         die_with_parent()  # the fork server, which exits with the test worker

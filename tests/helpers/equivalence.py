@@ -1,6 +1,6 @@
 """RRFP vs megatron-core's own schedule, same model, data and seeds, inside one launch: the cases.
 
-``run_case(case)`` runs on every rank (via ``dist.launcher.launch``): it builds two identical
+``run_case(case)`` runs on every rank (via ``launch.function.launch``): it builds two identical
 copies of a model stage (GPT, MLP, multimodal, MoE), and the package's
 ``selfcheck.equivalence.compare_with_megatron`` trains one with megatron-core's 1F1B schedule and
 the other with ``forward_backward_rrfp`` under injected random delays; it returns the largest
@@ -154,7 +154,7 @@ def run_case(case: Case) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import HeldMessages, sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.session import shutdown

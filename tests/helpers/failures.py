@@ -1,6 +1,6 @@
 """Rank bodies for failure tests: bad options, a rank that stops responding, a rank that dies.
 
-Each runs under ``megatron_rrfp.dist.launcher.launch`` on a PP=2 layout. The surviving rank writes what it saw
+Each runs under ``megatron_rrfp.launch.function.launch`` on a PP=2 layout. The surviving rank writes what it saw
 (exception type, message, seconds until it gave up) to ``report_path`` so the test can
 read it even though the launch as a whole fails.
 """
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_rrfp.bench.hooks import HeldMessages, sleep_before_tasks
+from megatron_rrfp.bench.around_schedules import HeldMessages, sleep_before_tasks
 from megatron_rrfp.mcore.config import RRFPConfig
 from megatron_rrfp.mcore.schedule import forward_backward_rrfp, get_forward_backward_func, last_iteration_report
 

@@ -18,7 +18,7 @@ def compare_interleaved(*, num_microbatches: int = 8, iterations: int = 2, model
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rrfp.bench.hooks import sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.session import shutdown

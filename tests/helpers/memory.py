@@ -33,7 +33,7 @@ def memory_checks(budget_forwards: float) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-    from megatron_rrfp.bench.hooks import count_in_flight, sleep_before_tasks
+    from megatron_rrfp.bench.around_schedules import count_in_flight, sleep_before_tasks
     from megatron_rrfp.cpu import enable_cpu_reference_schedules
     from megatron_rrfp.mcore.config import RRFPConfig
     from megatron_rrfp.mcore.schedule import forward_backward_rrfp, last_iteration_report

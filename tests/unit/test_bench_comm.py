@@ -94,9 +94,9 @@ def test_bench_dp2_pp2_interleaved_with_emulated_dp_communication(tmp_path):
 
 
 def test_held_messages_of_one_sender_keep_their_order_when_asked():
-    """The emulator's links are FIFO (bench/hooks.HeldMessages(fifo_per_sender=True)): a message
+    """The emulator's links are FIFO (bench/around_schedules.HeldMessages(fifo_per_sender=True)): a message
     with a shorter delay waits behind an earlier one from the same sender, not behind another's."""
-    from megatron_rrfp.bench.hooks import HeldMessages
+    from megatron_rrfp.bench.around_schedules import HeldMessages
     from megatron_rrfp.runtime.inbox import Inbox
 
     inbox = Inbox()

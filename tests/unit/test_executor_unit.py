@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers.loopback import LoopbackMessage, LoopbackNetwork, RecordingWork
-from megatron_rrfp.bench.hooks import HeldMessages
+from megatron_rrfp.bench.around_schedules import HeldMessages
 from megatron_rrfp.policy.actions import Kind, Task, format_order
 from megatron_rrfp.policy.arbiter import ArbiterConfig
 from megatron_rrfp.policy.plan import Plan

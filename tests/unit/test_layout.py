@@ -73,6 +73,23 @@ def test_no_import_cycles():
             visit(node)
 
 
+def test_every_import_of_the_package_resolves():
+    """An import of a moved module fails here, not in a rank (a lazy import runs only when its function does)."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    folders = {".".join(p.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("*") if p.is_dir()}
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("megatron_rrfp")):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target not in modules | folders:
+                    missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {target}")
+    assert not missing, missing
+
+
 def test_layers_only_import_downwards():
     """policy <- sim <- runtime <- split / mcore <- megatron_lm: the policy never imports its
     simulator, the runtime never imports benchmarks or Megatron-LM, the B/W split (split/)
@@ -88,6 +105,11 @@ def test_layers_only_import_downwards():
         "megatron_rrfp.goodput": ("sim", "mcore", "split", "megatron_lm", "bench", "train", "selfcheck"),
         "megatron_rrfp.bench": ("selfcheck",),  # benchmarks measure; verification tools check
         "megatron_rrfp.selfcheck": ("sim", "megatron_lm", "goodput", "trace"),  # checks megatron-core's path
+        # starting ranks knows no schedule: it runs what it is given (a function, a module, a Megatron-LM script)
+        "megatron_rrfp.launch": ("policy", "sim", "runtime", "mcore", "split", "bench", "train", "goodput", "trace",
+                                 "selfcheck"),
+        "megatron_rrfp.dist": ("policy", "sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train",
+                               "goodput", "trace", "selfcheck", "launch", "cpu"),  # below everything that starts ranks
     }
     for module, targets in _graph().items():
         for layer, banned in forbidden.items():
@@ -107,7 +129,7 @@ def test_the_cpu_shim_sits_below_the_schedule():
     for module, targets in _graph().items():
         if module.startswith("megatron_rrfp.cpu"):
             outside = {t for t in targets if not t.startswith("megatron_rrfp.cpu")}
-            assert outside <= {"megatron_rrfp.mcore.compat", "megatron_rrfp.megatron_lm.hookpoints"}, (module, outside)
+            assert outside <= {"megatron_rrfp.mcore.compat", "megatron_rrfp.megatron_lm.layout"}, (module, outside)
         if module.startswith(("megatron_rrfp.policy", "megatron_rrfp.runtime", "megatron_rrfp.split",
                               "megatron_rrfp.mcore")):
             assert not [t for t in targets if t.startswith("megatron_rrfp.cpu")], module
@@ -138,8 +160,46 @@ def test_test_code_and_research_drivers_live_outside_the_package():
         assert not (PACKAGE / gone).exists(), gone
     runnable = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                 if '__name__ == "__main__"' in p.read_text(encoding="utf-8")}
-    assert runnable <= {"cli.py", "launch.py", "megatron_lm/launch.py", "train/driver.py", "train/data.py",
-                        "bench/rank.py"}, runnable
+    assert runnable <= {"cli.py", "train/driver.py", "train/data.py", "bench/rank.py"}, runnable
+
+
+# What starts processes or ranks; only launch/ may (dist/env.py asks scontrol for SLURM's host names,
+# the self-check probes the GPU in a child, both with subprocess.run).
+STARTS_RANKS = ("multiprocessing", "torch.distributed.run", "torch.distributed.elastic", "os.fork", "subprocess.Popen")
+
+
+def _starts_ranks(tree: ast.AST) -> set[str]:
+    """Of ``STARTS_RANKS``, what a module imports, calls or names as a module to run (code only, not prose)."""
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            used.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            used.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+        elif isinstance(node, ast.Attribute):
+            used.add(ast.unparse(node))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            used.add(node.value)
+    return {s for s in STARTS_RANKS if any(u == s or u.startswith(s + ".") for u in used)}
+
+
+def test_ranks_are_started_only_in_launch_and_each_name_says_what_it_is():
+    """How ranks get started is one folder (``launch/``, one module per way, listed in its
+    ``__init__``); ``python -m megatron_rrfp.launch`` is that folder. No two modules of the
+    package are named ``launch`` or ``hooks``."""
+    starters = {str(p.relative_to(PACKAGE)): found for p in PACKAGE.rglob("*.py")
+                if (found := _starts_ranks(ast.parse(p.read_text(encoding="utf-8"))))}
+    assert {"launch/function.py", "launch/forked.py", "launch/torchrun.py"} <= set(starters), starters  # it sees them
+    outside = {where: found for where, found in starters.items() if not where.startswith("launch/")}
+    assert not outside, outside
+    launch = {p.name for p in (PACKAGE / "launch").glob("*.py")}
+    assert {"__init__.py", "__main__.py", "function.py", "forked.py", "torchrun.py", "megatron_lm.py"} <= launch
+    assert not (PACKAGE / "dist" / "launcher.py").exists() and not (PACKAGE / "launch.py").exists()
+    doc = (PACKAGE / "launch" / "__init__.py").read_text(encoding="utf-8")
+    assert all(f"``{name}``" in doc or f"{name.removesuffix('.py')}." in doc
+               for name in launch - {"__init__.py", "rank_filters.py"}), doc
+    names = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if p.stem in ("launch", "hooks", "hookpoints")]
+    assert not names, names
 
 
 def test_modules_stay_small():
@@ -177,11 +237,12 @@ def test_cli_surface_and_version():
 
 # Where the package may sleep or read the environment, and why; nowhere else (the runtime never does).
 MAY_SLEEP = {
-    "dist": "supervising rank processes", "goodput": "the ledger writer's retry on a locked database",
+    "launch": "supervising rank processes", "goodput": "the ledger writer's retry on a locked database",
     "selfcheck": "the self-check's polling and its drifting stand-in tasks", "bench": "emulated device time",
 }
 MAY_READ_ENVIRONMENT = {
-    "dist": "torch.distributed's rendezvous variables", "megatron_lm": "Megatron-LM's launch and CUDA settings",
+    "dist": "torch.distributed's rendezvous variables", "launch": "the ranks' environment and rendezvous variables",
+    "megatron_lm": "Megatron-LM's launch and CUDA settings",
     "train": "the launcher's rank variables", "selfcheck": "the self-check's launch",
     "bench": "temporary paths",
     "cpu": "CUDA_DEVICE_MAX_CONNECTIONS, which Megatron-LM's argument checks require",

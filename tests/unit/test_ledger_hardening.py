@@ -193,7 +193,7 @@ def test_a_busy_ledger_fails_every_rank_not_only_the_writer(tmp_path):
 def test_megatron_lm_hooks_fail_a_non_writing_rank_on_a_busy_ledger(tmp_path, monkeypatch):
     """In a Megatron-LM run rank 1 learns from rank 0 (the all-gather, stood in here) and
     raises too, instead of waiting in its first collective for a rank 0 that left."""
-    from megatron_rrfp.megatron_lm import hooks
+    from megatron_rrfp.megatron_lm import training_loop as hooks
 
     busy = "goodput ledger x is already being written by pid 1 on host h"
     monkeypatch.setattr(hooks, "_rank_world", lambda: (1, 2))

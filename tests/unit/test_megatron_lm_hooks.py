@@ -1,4 +1,4 @@
-"""megatron_rrfp.megatron_lm.hooks: goodput ledger and traces around Megatron-LM's loop.
+"""megatron_rrfp.megatron_lm.training_loop: goodput ledger and traces around Megatron-LM's loop.
 
     python -m pytest tests/unit/test_megatron_lm_hooks.py -q          # a few seconds
 
@@ -6,7 +6,7 @@ CI has no megatron.training, so the hooks are exercised against a STAND-IN for
 ``megatron.training.training``, written for these tests (no Megatron-LM code): a module
 object whose pretrain / train call setup_model_and_optimizer, load_checkpoint,
 save_checkpoint_and_time, save_checkpoint and train_step through the module's globals, as
-Megatron-LM's do (megatron_lm/hookpoints.py, "Megatron-LM training-loop hooks"). Its train_step stands
+Megatron-LM's do (megatron_lm/layout.py, "Megatron-LM training-loop hooks"). Its train_step stands
 in for the RRFP schedule by publishing a measured IterationReport with spans. The
 ledger is the real SQLite one, read back through goodput_report. The last test checks
 the real megatron.training.training when it is importable (a Megatron-LM checkout on
@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rrfp.goodput import goodput_report, load_ledger
-from megatron_rrfp.megatron_lm import hookpoints as adapter
 from megatron_rrfp.megatron_lm import install as integration
-from megatron_rrfp.megatron_lm.hooks import HookOptions, MegatronLMHooks, TraceWarning, trace_due
+from megatron_rrfp.megatron_lm import layout as adapter
+from megatron_rrfp.megatron_lm.training_loop import HookOptions, MegatronLMHooks, TraceWarning, trace_due
 from megatron_rrfp.policy.actions import Kind, Task
 from megatron_rrfp.runtime.report import IterationReport
 from megatron_rrfp.trace import Span

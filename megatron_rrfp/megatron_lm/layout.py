@@ -1,7 +1,7 @@
 """Where megatron-rrfp attaches to Megatron-LM's ``megatron.training``, by release.
 
 The one place that knows Megatron-LM's module layout and training-loop names; the
-installer (``install.py``), the CPU launcher and the goodput/trace hooks (``hooks.py``)
+installer (``install.py``), the CPU launcher and the goodput/trace hooks (``training_loop.py``)
 look everything up through here.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def rebind_loaded(name: str, old, new, *, exclude: tuple = ()) -> list[types.Mod
 
 # --------------------------------------------------------------------------- Megatron-LM training-loop hooks
 #
-# megatron_rrfp.megatron_lm.hooks records goodput (--rrfp-goodput-ledger) and writes RRFP
+# megatron_rrfp.megatron_lm.training_loop records goodput (--rrfp-goodput-ledger) and writes RRFP
 # traces (--rrfp-trace-dir) around Megatron-LM's own training loop, without editing it, by
 # wrapping names of megatron.training.training. Checked against the core_v0.16.1 and
 # core_v0.19.0 tags of Megatron-LM:

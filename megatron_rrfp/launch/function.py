@@ -1,10 +1,9 @@
-"""Local multi-process launches on this host: the one launcher of the project.
+"""One Python function on N local gloo ranks: ``launch(fn, ...)``.
 
-``launch(fn, ...)`` runs one function on N gloo ranks (benchmarks and tests) and turns any
-failure or hang into one readable error. (``megatron-rrfp train --nproc N`` starts its ranks
-as torchrun would: ``dist/forked.py`` on CPU, ``dist/torchrun.py`` on GPUs.)
+It runs ``fn`` on every rank (benchmarks, the self-check, tests) and turns any failure or hang
+into one readable error. (The other ways ranks get started are listed in ``launch/__init__.py``.)
 
-    from megatron_rrfp.dist.launcher import launch
+    from megatron_rrfp.launch.function import launch
     values = launch(check_ranks, world_size=4, tp=2, timeout=60)   # pp = 4 // (2*1) = 2
 
 Each rank is a fresh process that inherits nothing from the launching process's state, and
@@ -44,7 +43,7 @@ import threading
 import time
 import traceback
 
-from .env import HIDDEN_CUDA, die_with_parent, gloo_on_loopback, hide_cuda
+from ..dist.env import HIDDEN_CUDA, LOOPBACK, die_with_parent, for_gloo_ranks, hide_cuda
 
 __all__ = ["DistributedTestFailure", "RankOutcome", "launch", "start_fork_server"]
 
@@ -54,9 +53,8 @@ GRACE_PERIOD_S = 10.0
 STACK_DUMP_WAIT_S = 2.0
 _TAIL_LINES = 30
 _TAIL_CHARS = 4000
-_HOST = "127.0.0.1"
 # What the fork server imports once for all ranks: what every rank imports anyway.
-_PRELOAD = ("megatron_rrfp.dist.rank_filters", "torch", "torch.distributed", "megatron.core",
+_PRELOAD = ("megatron_rrfp.launch.rank_filters", "torch", "torch.distributed", "megatron.core",
             "megatron.core.parallel_state", "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
             "megatron.core.distributed", "megatron.core.optimizer")
 
@@ -169,7 +167,7 @@ def launch(fn, *, world_size: int, tp: int = 1, pp: int | None = None, cp: int =
 
     run_dir = tempfile.mkdtemp(prefix="rrfp-launch-")
     # The parent hosts the rendezvous store, so the port is bound before any child starts.
-    store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore(LOOPBACK, 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout + 60))
     procs: list = []
     launcher_alive = None  # under 'forkserver': (read end for the ranks, our write end)
@@ -241,9 +239,8 @@ def _child_env(extra: dict | None) -> dict:
     env = dict(os.environ)
     # 2-core CI machines run 4+ ranks: one intra-op thread each avoids oversubscription.
     env["OMP_NUM_THREADS"] = "1"
-    gloo_on_loopback(env)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
-    env.update(HIDDEN_CUDA)  # gloo ranks: a CUDA device they could see would draw megatron-core's buffers to it
+    for_gloo_ranks(env)  # loopback unless ``extra`` or the environment chose an interface; CUDA hidden, always
     return env
 
 
@@ -468,7 +465,7 @@ def _setup(spec: _RankSpec) -> None:
     if "OMP_NUM_THREADS" in spec.env:  # torch may have been imported before env applied
         torch.set_num_threads(int(spec.env["OMP_NUM_THREADS"]))
     timeout = datetime.timedelta(seconds=spec.pg_timeout_s)
-    store = dist.TCPStore(_HOST, spec.store_port, spec.world_size, is_master=False,
+    store = dist.TCPStore(LOOPBACK, spec.store_port, spec.world_size, is_master=False,
                           timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=timeout)

@@ -1,4 +1,5 @@
-"""Run an unmodified Megatron-LM entry script with megatron-rrfp installed.
+"""Run an unmodified Megatron-LM entry script with megatron-rrfp installed, in each rank that
+torchrun or srun started (``python -m megatron_rrfp.launch``, ``__main__.py``).
 
     torchrun --nproc-per-node 8 -m megatron_rrfp.launch pretrain_gpt.py \\
         --pipeline-model-parallel-size 8 --pipeline-schedule rrfp ...   # + Megatron's flags
@@ -84,11 +85,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from ..cpu import enable_cpu_training
 
         enable_cpu_training()
-    from .install import install
+    from ..megatron_lm.install import install
 
     install()
     runpy.run_path(script, run_name="__main__")
 
-
-if __name__ == "__main__":
-    main()

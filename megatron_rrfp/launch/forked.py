@@ -1,5 +1,5 @@
-"""``train --cpu --nproc N``: N local ranks forked from this process, which imported torch
-and megatron-core once.
+"""N local CPU ranks of a module forked from this process, which imported torch and megatron-core
+once (``train --cpu --nproc N``).
 
 Why not torch's launcher here: each rank it starts is a fresh interpreter that imports torch
 and megatron-core (~6 s of CPU, 1.7 s of it megatron-core's ``torch.compile``-decorated
@@ -8,7 +8,7 @@ fusions), so on the small CPU hosts ``--cpu`` runs on, a short job was mostly im
 them but never run a tensor op, started no Python thread (the one native thread importing
 torch starts is idle) and never touched CUDA (``--cpu`` empties CUDA_VISIBLE_DEVICES before
 the imports) starts at once and is safe, as torch.multiprocessing's 'fork' start method and
-the fork server of ``launcher.py`` rely on. GPU runs keep torch's launcher
+the fork server of ``function.py`` rely on. GPU runs keep torch's launcher
 (``torchrun.py``): a fork must not inherit a CUDA driver, and GPU hosts have the cores.
 
 What the ranks see and what happens on failure are torch's launcher's (``torchrun.py``):
@@ -38,12 +38,11 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, Optional
 
-from .env import die_with_parent, gloo_on_loopback
-from .torchrun import exit_status, report_failures
+from ..dist.env import LOOPBACK, die_with_parent
+from .torchrun import exit_status, prepare_launching_process, report_failures
 
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL this much later (torch's launcher's default)
 MONITOR_INTERVAL_S = 0.1
-_HOST = "127.0.0.1"
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -53,11 +52,7 @@ def run_module_forked(nproc: int, module: str, args: Sequence[str], *, env: Opti
     ``preload`` first: what every rank imports anyway); 0, or the first failure's status."""
     import importlib
 
-    from ..quiet import announce
-
-    announce()  # the ranks inherit the filter (quiet.ENV); the line is said here, once
-    os.environ.update({str(k): str(v) for k, v in (env or {}).items()})  # before the imports read it
-    gloo_on_loopback()
+    prepare_launching_process(env)  # before the imports read it
     for name in preload:
         importlib.import_module(name)
     sys.stdout.flush()
@@ -78,7 +73,7 @@ def run_module_forked(nproc: int, module: str, args: Sequence[str], *, env: Opti
 
     from torch.distributed import TCPStore
 
-    store = TCPStore(_HOST, 0, nproc, is_master=True, wait_for_workers=False)
+    store = TCPStore(LOOPBACK, 0, nproc, is_master=True, wait_for_workers=False)
     for _, write_end in port_pipes:
         os.write(write_end, f"{store.port}\n".encode())
         os.close(write_end)
@@ -98,7 +93,7 @@ def _rank_main(rank: int, nproc: int, parent: int, port_pipe: int, module: str, 
         if not port:
             os._exit(1)  # the launcher died before the rendezvous store was up
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
-                          LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=_HOST, MASTER_PORT=port,
+                          LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=LOOPBACK, MASTER_PORT=port,
                           TORCHELASTIC_USE_AGENT_STORE="True")
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at torch's import

@@ -11,7 +11,7 @@ the ledger and traces with ``--rrfp-goodput-ledger`` and/or ``--rrfp-trace-dir``
         --rrfp-goodput-ledger run/goodput.db --rrfp-trace-dir run/traces ...
     megatron-rrfp goodput run/goodput.db
 
-What wraps what (names of ``megatron.training.training``; hookpoints.py, section "Megatron-LM
+What wraps what (names of ``megatron.training.training``; layout.py, section "Megatron-LM
 training-loop hooks", says why Megatron sees each wrapper and what differs by release):
 
     pretrain                   job_end() on return (and on sys.exit(0)); on an exception
@@ -53,7 +53,7 @@ from typing import Optional
 from ..dist.env import print_line
 from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
 from ..trace.merge import write_merged_trace
-from . import hookpoints
+from . import layout
 
 __all__ = ["HookOptions", "HookWarning", "MegatronLMHooks", "TraceWarning", "TraceWriter", "trace_due"]
 
@@ -149,17 +149,17 @@ class _Run:
         self.timers = timers
         # collective: another live job on this ledger fails every rank here, not rank 0 alone
         self.recorder = open_recorder(options.ledger_path, rank=self.rank, world=self.world,
-                                      since_wall=hookpoints.train_start_time(training))
+                                      since_wall=layout.train_start_time(training))
         self.traces = TraceWriter(options.trace_dir, self.rank) if options.trace_dir else None
         self.saving = False  # inside a recorded save: a nested save_checkpoint is the same save
         self.resumed = False
-        self.recorder.job_start(**hookpoints.parallel_sizes(margs))
+        self.recorder.job_start(**layout.parallel_sizes(margs))
         extend_timer_logging(timers)  # same names on every rank: Megatron's timers.log is collective
 
     def step_done(self, iteration: int, report, margs) -> None:
-        self.recorder.iteration(iteration, tokens=hookpoints.tokens_per_iteration(margs), report=report)
+        self.recorder.iteration(iteration, tokens=layout.tokens_per_iteration(margs), report=report)
         publish_to_timers(self.timers, report, log_level=0)  # level 0: shown at any --timing-log-level
-        log_interval, last_iteration = hookpoints.trace_points(margs)
+        log_interval, last_iteration = layout.trace_points(margs)
         if trace_due(iteration, log_interval=log_interval, last_iteration=last_iteration):
             line = peak_memory_line(report, iteration, world=self.world)  # collective: every rank, same steps
             if line:
@@ -188,7 +188,7 @@ class MegatronLMHooks:
 
     def __init__(self, training: types.ModuleType, *, get_args: Callable, get_timers: Callable,
                  last_report: Optional[Callable] = None,
-                 names: hookpoints.TrainingLoopNames = hookpoints.TRAINING_LOOP_NAMES) -> None:
+                 names: layout.TrainingLoopNames = layout.TRAINING_LOOP_NAMES) -> None:
         self.training, self.names = training, names
         self.get_args, self.get_timers = get_args, get_timers
         self.last_report = last_report or _last_iteration_report
@@ -208,7 +208,7 @@ class MegatronLMHooks:
                           "and traces are off for Megatron-LM runs", HookWarning, stacklevel=2)
             return
         wrapper = _wrapper(original, self._pretrain)
-        hookpoints.rebind_loaded(self.names.entry, original, wrapper)  # entry scripts import it by name
+        layout.rebind_loaded(self.names.entry, original, wrapper)  # entry scripts import it by name
         self._entry = (original, wrapper)
 
     def activate(self, options: HookOptions) -> None:
@@ -239,7 +239,7 @@ class MegatronLMHooks:
         self.deactivate()
         if self._entry is not None:
             original, wrapper = self._entry
-            hookpoints.rebind_loaded(self.names.entry, wrapper, original)
+            layout.rebind_loaded(self.names.entry, wrapper, original)
             self._entry = None
         if self.run is not None:
             self.run.recorder.close()
@@ -273,7 +273,7 @@ class MegatronLMHooks:
             return original(*args, **kwargs)
         with run.recorder.checkpoint_load():
             result = original(*args, **kwargs)
-        iteration = hookpoints.loaded_iteration(result)
+        iteration = layout.loaded_iteration(result)
         if iteration > 0 and not run.resumed:
             run.resumed = True
             run.recorder.restart(iteration)
@@ -285,7 +285,7 @@ class MegatronLMHooks:
             return original(*args, **kwargs)
         run.saving = True
         try:
-            with run.recorder.checkpoint_save(hookpoints.saved_iteration(args, kwargs)):
+            with run.recorder.checkpoint_save(layout.saved_iteration(args, kwargs)):
                 return original(*args, **kwargs)
         finally:
             run.saving = False
@@ -295,7 +295,7 @@ class MegatronLMHooks:
         if run is None:
             return original(*args, **kwargs)
         margs = self.get_args()
-        iteration = hookpoints.train_step_iteration(margs)
+        iteration = layout.train_step_iteration(margs)
         before = self.last_report()
         run.recorder.iteration_start(iteration)
         result = original(*args, **kwargs)
