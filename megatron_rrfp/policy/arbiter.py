@@ -24,7 +24,7 @@ from typing import Optional
 from .actions import Kind, Task, all_tasks, format_order, peak_in_flight
 from .budget import LimitSpec, check_limit_spec, megatron_peak_in_flight, resolve_buffer_limit, starting_limit
 from .hint_specs import make_hint
-from .hints import Hint, Memory, OrderedHint, _backward_key, _forward_key, validate_order
+from .hints import Hint, Memory, OrderedHint, _forward_key, validate_order
 from .membytes import UNIT, ByteBudget, megatron_counts
 from .topology import Topology
 
@@ -57,9 +57,10 @@ class ArbiterConfig:
     The runtime sets it for ``1x`` (mcore/byte_limit.py); the simulator takes it as given."""
     pair_forward_backward: bool = False
     """Dispatch a ready F and a ready B of this stage together as one combined task (megatron-core's
-    combined forward-backward step: each one's MoE all-to-alls overlap the other's compute). The
-    hint picks the first task; its partner is the best ready task of the other direction that the
-    memory rule admits (``Arbiter.partner``). Never with a split backward (W) or in strict mode."""
+    combined forward-backward step: each one's MoE all-to-alls overlap the other's compute). When the
+    hint picks a backward, its partner is the best ready forward the memory rule admits beside it
+    (``Arbiter.take_partner``); a forward picked first runs alone (pairing it delayed the pipeline's
+    backward chain in simulation: docs/moe.md). Never with a split backward (W) or in strict mode."""
 
     def __post_init__(self) -> None:
         try:
@@ -148,7 +149,7 @@ class Arbiter:
         self._pairs_on = (config.pair_forward_backward and not config.strict and not forward_only
                           and not self.split_backward)
         self._partner: Optional[tuple[Task, Task]] = None  # (task choose() returned, its partner)
-        self.hint_ready: set[Task] = set()  # the ready set choose() was last given
+        self._ready_seen: set[Task] = set()  # the ready set choose() was last given (a partner comes from it)
 
     # -- policy ----------------------------------------------------------------------
 
@@ -162,10 +163,10 @@ class Arbiter:
         if not ready:
             return None
         allowed = self._allowed(ready)
-        self.hint_ready = ready
+        self._ready_seen = ready
         task = self.hint.pick(allowed, self)
-        if task is not None and self._pairs_on:
-            partner = self._partner_of(task, allowed)
+        if task is not None and self._pairs_on and task.kind is Kind.B:  # a forward picked first runs alone
+            partner = self._partner_of(task)
             if partner is not None:
                 self._partner = (task, partner)
         return task
@@ -185,36 +186,27 @@ class Arbiter:
         self.record(forward)
         self.pairs.append((forward, backward))
 
-    def _partner_of(self, task: Task, allowed: set[Task]) -> Optional[Task]:
-        """The best allowed ready task of the other direction: an ordered hint's next one within
-        its window (none outside it: a pair never pulls work from further ahead), a rule hint's
-        BF ranking otherwise. A forward partner of a backward is admitted by the memory rule on
-        the state after that backward's release, as if the backward ran first: the pair's layers
-        free the backward's activations while the forward's build up (megatron-core's combined
-        step), so inside the pair at most one forward more than the limit is held, as with
-        Megatron's combined 1F1B, which runs one forward more than its 1F1B."""
-        other = Kind.B if task.kind is Kind.F else (Kind.F if task.kind is Kind.B else None)
-        if other is None:
-            return None
-        if other is Kind.F:
-            ready_forwards = {t for t in self.hint_ready if t.kind is Kind.F}
-            frontier = self._frontier_after_backward(task)
-            candidates = {t for t in ready_forwards if t.microbatch <= frontier}
-        else:
-            candidates = {t for t in allowed if t.kind is other and t != task}
+    def _partner_of(self, backward: Task) -> Optional[Task]:
+        """The forward to run beside ``backward``: an ordered hint's next ready one within its window
+        (none outside it: a pair never pulls work from further ahead), a rule hint's BF ranking
+        otherwise. It is admitted by the memory rule on the state after the backward's release, as if
+        the backward ran first: the pair's layers free the backward's activations while the forward's
+        build up (megatron-core's combined step), so inside the pair at most one forward more than the
+        limit is held, as in Megatron's combined 1F1B."""
+        frontier = self._frontier_after_backward(backward)
+        candidates = {t for t in self._ready_seen if t.kind is Kind.F and t.microbatch <= frontier}
         if not candidates:
             return None
         if self._order is not None:
             window = self.lookahead
-            for seen, listed in enumerate(t for t in self.remaining_order() if t != task):
+            for seen, listed in enumerate(t for t in self.remaining_order() if t != backward):
                 if window is not None and seen >= window:
                     return None
                 if listed in candidates:
                     return listed
             return None
         group = self.topology.num_stages
-        key = _forward_key if other is Kind.F else _backward_key
-        return min(candidates, key=lambda t: key(t, group))
+        return min(candidates, key=lambda t: _forward_key(t, group))
 
     def record(self, task: Task) -> None:
         """The driver dispatched ``task``: update counters and hint position."""

@@ -143,3 +143,21 @@ def test_combined_steps_pair_and_refuse_what_they_cannot_run():
     off = types.SimpleNamespace(overlap_moe_expert_parallel_comm=False)
     assert not with_combined_steps(RRFPConfig.of(), off, [], gpt_forward_step,
                                    forward_only=False).arbiter.pair_forward_backward
+
+
+def test_megatron_combined_order_runs_one_warmup_forward_more_and_pairs_the_steady_state():
+    from megatron_rrfp.policy.hints import megatron_1f1b_order
+    from megatron_rrfp.sim.combined import combined_orders, simulate_combined
+
+    topology, m = Topology(2, 2), 4
+    steps = combined_orders(topology, m)
+    plain = megatron_1f1b_order(0, topology, m)
+    warmup = next(i for i, step in enumerate(steps[0]) if len(step) == 2)
+    assert warmup == next(i for i, t in enumerate(plain) if t.kind is Kind.B)  # interleaved warm-up + 1
+    assert sorted(str(t) for step in steps[0] for t in step) == sorted(map(str, plain))
+    assert all(step[0].kind is Kind.F and step[1].kind is Kind.B for step in steps[0] if len(step) == 2)
+    with pytest.raises(ValueError, match="virtual stages"):
+        combined_orders(Topology(2), m)
+    v = Variability(sigma_compute=0.0, num_experts=8, expert_parallel=2, a2a_time=0.5)
+    run_ = simulate_combined(topology, m, sample_realization(v, topology, m, seed=0))
+    assert run_.pairs > 0 and run_.makespan > 0
