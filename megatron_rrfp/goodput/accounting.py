@@ -106,11 +106,20 @@ class Disruption:
     resumed_at_s: Optional[float] = None
     wasted_iterations: int = 0
     wasted_s: float = 0.0
+    checkpoint: Optional[str] = None  # the kind resumed from: "persistent", "local", ... (restart event)
+    mechanism: Optional[str] = None  # what restarted training: "in-process", "in-job", "requeue", "relaunch"
+    load_s: float = 0.0  # checkpoint loading between the disruption and the resumed iteration
 
     @property
     def time_to_resume_s(self) -> Optional[float]:
         """Disruption -> first iteration start after it (recovery + checkpoint load + startup)."""
         return None if self.resumed_at_s is None else self.resumed_at_s - self.time_s
+
+    @property
+    def recovery_s(self) -> Optional[float]:
+        """The time to resume less its checkpoint loading (restart, startup, re-initialisation)."""
+        resume = self.time_to_resume_s
+        return None if resume is None else max(0.0, resume - self.load_s)
 
 
 @dataclass(slots=True)
@@ -153,6 +162,22 @@ class GoodputReport:
     def count(self, fate: str) -> int:
         return sum(1 for r in self.iterations if r.fate == fate)
 
+    def disruptions_total(self) -> dict:
+        """Over every disruption: iterations lost, time to resume split into recovery and checkpoint
+        load (of the resumed ones), and how many each restart mechanism / checkpoint kind resumed."""
+        resumed = [d for d in self.disruptions if d.time_to_resume_s is not None]
+        by = {"mechanism": {}, "checkpoint": {}}
+        for d in resumed:
+            for key in by:
+                name = getattr(d, key) or "unknown"
+                by[key][name] = by[key].get(name, 0) + 1
+        return {"disruptions": len(self.disruptions), "resumed": len(resumed),
+                "wasted_iterations": sum(d.wasted_iterations for d in self.disruptions),
+                "wasted_s": sum(d.wasted_s for d in self.disruptions),
+                "time_to_resume_s": sum(d.time_to_resume_s for d in resumed),
+                "recovery_s": sum(d.recovery_s for d in resumed), "checkpoint_load_s": sum(d.load_s for d in resumed),
+                "by_mechanism": by["mechanism"], "by_checkpoint": by["checkpoint"]}
+
     @property
     def unmeasured_iterations(self) -> int:
         return sum(1 for r in self.iterations if r.fate == "kept" and not r.measured)
@@ -176,8 +201,11 @@ class GoodputReport:
             "sessions": self.sessions, "checkpoint_saves": self.checkpoint_saves,
             "disruptions": [{"time_s": d.time_s, "session": d.session, "kind": d.kind, "message": d.message,
                              "rank": d.rank, "inferred": d.inferred, "resumed_from": d.resumed_from,
-                             "time_to_resume_s": d.time_to_resume_s, "wasted_iterations": d.wasted_iterations,
-                             "wasted_s": d.wasted_s} for d in self.disruptions],
+                             "time_to_resume_s": d.time_to_resume_s, "recovery_s": d.recovery_s,
+                             "checkpoint_load_s": d.load_s, "checkpoint": d.checkpoint, "mechanism": d.mechanism,
+                             "wasted_iterations": d.wasted_iterations, "wasted_s": d.wasted_s}
+                            for d in self.disruptions],
+            "disruptions_total": self.disruptions_total(),
             "timeline": self.timeline,
         }
 
@@ -266,6 +294,8 @@ class _Walk:
                 open_load = t
             elif e.kind == "checkpoint_load_end":
                 self.spans.append((open_load if open_load is not None else t, t, _LOAD, "checkpoint_load"))
+                if self.pending is not None:  # loading to resume after it
+                    self.pending.load_s += t - (open_load if open_load is not None else t)
                 open_load, boundary = None, t
             elif e.kind == "data_wait":
                 self.spans.append((max(start, t - float(e.data.get("seconds", 0.0))), t, _DATA, "data_loading"))
@@ -280,6 +310,9 @@ class _Walk:
                 self._set_mode(t, "recovery")
             elif e.kind == "restart":
                 self._restart(int(e.data.get("resumed_from", e.iteration or 0)), cause=self.pending)
+                if self.pending is not None:
+                    self.pending.checkpoint = e.data.get("checkpoint", self.pending.checkpoint)
+                    self.pending.mechanism = e.data.get("mechanism", self.pending.mechanism)
             elif e.kind == "job_end":
                 clean = True
         for opened, priority, name in ((open_save, _SAVE, "checkpoint_save"), (open_load, _LOAD, "checkpoint_load")):

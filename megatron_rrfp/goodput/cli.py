@@ -116,13 +116,24 @@ def format_report(report: GoodputReport) -> str:
         lines += ["", "disruptions"]
         for d in report.disruptions:
             who = f" on rank {d.rank}" if d.rank is not None else ""
+            how = ", ".join(x for x in (f"{d.mechanism} restart" if d.mechanism else "",
+                                         f"{d.checkpoint} checkpoint" if d.checkpoint else "") if x)
             resumed = ("not resumed" if d.resumed_at_s is None else
-                       f"training again {_duration(d.time_to_resume_s)} later"
-                       + (f", from iteration {d.resumed_from}" if d.resumed_from is not None else ""))
+                       f"training again {_duration(d.time_to_resume_s)} later (recovery "
+                       f"{_duration(d.recovery_s)}, checkpoint load {_duration(d.load_s)})"
+                       + (f", from iteration {d.resumed_from}" if d.resumed_from is not None else "")
+                       + (f" ({how})" if how else ""))
             lines.append(f"  at {_duration(d.time_s)}: {d.kind}{who}{' (inferred)' if d.inferred else ''}; {resumed}; "
                          f"{plural(d.wasted_iterations, 'iteration')} redone, {d.wasted_s:.2f} s of work lost")
             if d.message:
                 lines.append(f"      {d.message.splitlines()[0][:160]}")
+        total = report.disruptions_total()
+        if total["disruptions"] > 1:
+            kinds = ", ".join(f"{n} {name}" for name, n in sorted(total["by_mechanism"].items()))
+            lines.append(f"  in total: {plural(total['wasted_iterations'], 'iteration')} redone; "
+                         f"{total['resumed']} resumed after {_duration(total['time_to_resume_s'])} (recovery "
+                         f"{_duration(total['recovery_s'])}, checkpoint load {_duration(total['checkpoint_load_s'])})"
+                         + (f"; restarts: {kinds}" if kinds else ""))
     return "\n".join(lines)
 
 

@@ -183,9 +183,13 @@ class GoodputRecorder:
         if self.writer is not None:
             self.writer.flush(timeout_s=2.0)
 
-    def restart(self, resumed_from: int) -> None:
-        """This process resumed from the checkpoint of iteration ``resumed_from``."""
-        self._write("restart", iteration=resumed_from, data={"resumed_from": int(resumed_from)})
+    def restart(self, resumed_from: int, *, checkpoint: Optional[str] = None, mechanism: Optional[str] = None) -> None:
+        """This process resumed from the checkpoint of iteration ``resumed_from``: ``checkpoint``, its
+        kind ("persistent", "local", ...); ``mechanism``, what restarted training ("in-process",
+        "in-job", "requeue", "relaunch"); either None when not known."""
+        data = {"resumed_from": int(resumed_from)}
+        data.update({k: v for k, v in (("checkpoint", checkpoint), ("mechanism", mechanism)) if v is not None})
+        self._write("restart", iteration=resumed_from, data=data)
 
     # -- internals ------------------------------------------------------------------
 

@@ -77,6 +77,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # directory decides which megatron package (checkout or installed) is found.
     sys.argv = [script, *opts.script_args]
     sys.path.insert(0, os.path.dirname(script))
+    from ..megatron_lm.inprocess import nvrx_conflict
+
+    conflict = nvrx_conflict()  # else `import megatron.core` fails on every rank with an AttributeError
+    if conflict:
+        parser.error(conflict)
 
     if opts.cpu:
         from ..dist.env import hide_cuda

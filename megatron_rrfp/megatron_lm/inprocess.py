@@ -20,6 +20,9 @@ Megatron parsed the flags, which ``maybe_wrap_for_inprocess_restart`` does befor
   would end in ``HealthCheckError``. There they are left out (the user's and Megatron's checks stay).
 * **Finalize without CUDA.** NVRx's ``ThreadedFinalize`` (Megatron's ``destroy_state`` after a
   fault) first requires a CUDA device; on a CPU run it runs the function in its thread alone.
+* **The parsed flags survive the restart** (``ArgsOnReentry``, used by the launcher's ``pretrain``
+  wrapper): since core_v0.18.0 they are parsed before ``pretrain``, and Megatron's finalize step
+  forgets them, so the second call failed with "args is not initialized".
 * **``--inprocess-granularity node``** builds one rank-assignment layer per host of exactly
   ``torch.cuda.device_count()`` ranks; a host running another number of ranks (any CPU run: the
   CPU redirection reports one device) cannot be assigned. Refused in one line before any rank
@@ -114,23 +117,19 @@ def leave_out_gpu_health_checks() -> bool:
     adds for ``LOCAL_RANK`` (NVML, on every restart), in every Wrapper made later in this process.
     True if this call left them out (False: NVRx has none, or they are out already)."""
     try:
-        from nvidia_resiliency_ext.inprocess import health_check, wrap
+        from nvidia_resiliency_ext.inprocess import wrap
     except ImportError:
         return False
     construct = getattr(wrap.Wrapper, "_construct_restart_health_check", None)
     if construct is None or getattr(construct, "_rrfp_cpu", False):
         return False
-    gpu_kinds = tuple(getattr(health_check, name) for name in
-                      ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
-                      if hasattr(health_check, name))
 
-    def construct_without_gpu_checks(self):
-        construct(self)
-        checks = getattr(self.restart_health_check, "instances", None)
-        if checks is None:
-            return
-        kept = [c for c in checks if not isinstance(c, gpu_kinds)]
-        self.restart_health_check = wrap.Compose(*kept) if kept else None
+    def construct_without_gpu_checks(self):  # NVRx's own method less the LOCAL_RANK checks, whose
+        checks = []  # constructors already call NVML: none is made
+        if self.health_check is not None:
+            instances = getattr(self.health_check, "instances", None)
+            checks = list(instances) if instances is not None else [self.health_check]
+        self.restart_health_check = wrap.Compose(*checks) if checks else None
 
     construct_without_gpu_checks._rrfp_cpu = True
     wrap.Wrapper._construct_restart_health_check = construct_without_gpu_checks
@@ -199,5 +198,47 @@ def _has_version_attribute() -> bool:
     return "__version__" in Path(spec.origin).read_text()
 
 
-__all__ = ["call_wrapper_class", "check_granularity", "inject_call_wrapper", "finalize_without_cuda",
+
+
+class ArgsOnReentry:
+    """Megatron-LM's parsed arguments, given back to a ``pretrain`` that NVRx calls again.
+
+    Since core_v0.18.0 the entry scripts parse the flags before ``pretrain`` (``parse_and_validate_args``;
+    ``pretrain`` takes a config container and no ``args_defaults``), while the finalize step of
+    ``megatron/training/inprocess_restart.py`` (``destroy_state`` -> ``destroy_global_vars``) still
+    forgets them: the second call fails at once with "args is not initialized". ``enter`` keeps a copy
+    of the arguments at the first call and, at a later call that finds none, sets the global variables
+    from a fresh copy of it, as ``parse_and_validate_args`` did. Releases whose ``pretrain`` parses the
+    flags itself (0.16.x) are left alone."""
+
+    def __init__(self) -> None:
+        self.snapshot: Any = None
+
+    def enter(self, pretrain: Callable) -> bool:
+        """At each ``pretrain`` call; True when it gave the arguments back."""
+        if "args_defaults" in inspect.signature(pretrain).parameters:
+            return False  # this pretrain parses its own flags
+        try:
+            from megatron.training import global_vars
+        except ImportError:  # a stand-in for megatron.training
+            return False
+        if not hasattr(global_vars, "_GLOBAL_ARGS") or not hasattr(global_vars, "set_global_variables"):
+            return False  # not Megatron-LM's global_vars
+
+        current = global_vars._GLOBAL_ARGS
+        if current is not None:
+            if self.snapshot is None and getattr(current, "inprocess_restart", False):
+                import copy
+
+                self.snapshot = copy.deepcopy(current)
+            return False
+        if self.snapshot is None:
+            return False
+        import copy
+
+        global_vars.set_global_variables(copy.deepcopy(self.snapshot))
+        return True
+
+
+__all__ = ["ArgsOnReentry", "call_wrapper_class", "check_granularity", "inject_call_wrapper", "finalize_without_cuda",
            "leave_out_gpu_health_checks", "nvrx_conflict", "prepare"]

@@ -154,6 +154,7 @@ def _apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         notes: list[str] = []
         config = validate_rrfp_arguments(args, notes=notes)
+        notes += _prepare_inprocess_restart(args)
         if os.environ.get("RANK", "0") == "0":  # after every check passed: a refusal stays one line
             for note in notes:
                 print_line(note, file=sys.stderr)
@@ -168,6 +169,16 @@ def _apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             _record_training_loop(None)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def _prepare_inprocess_restart(args: argparse.Namespace) -> list[str]:
+    """--inprocess-restart (any schedule): what NVRx's wrapper needs from the launcher (inprocess.py)."""
+    from ..cpu.megatron_core import runs_on_cuda
+    from . import inprocess
+
+    hooks = _state.training_hooks
+    done = inprocess.prepare(args, None if hooks is None else hooks.entry_wrapper, cpu=not runs_on_cuda())
+    return [f"megatron-rrfp: --inprocess-restart: {', '.join(done)}"] if done else []
 
 
 # -- goodput ledger and traces in Megatron-LM's training loop --------------------------

@@ -19,7 +19,8 @@ training-loop hooks", says why Megatron sees each wrapper and what differs by re
     setup_model_and_optimizer  before it: a GoodputRecorder on every rank (rank 0 writes)
                                dating from Megatron's _TRAIN_START_TIME, job_start(pp, tp, ...),
                                rrfp-* timers added to training_log's list (extend_timer_logging)
-    load_checkpoint            inside checkpoint_load(); restart(iteration) if it resumed
+    load_checkpoint            inside checkpoint_load(); restart(iteration, checkpoint kind, restart
+                               mechanism: resume.py) if it resumed
     save_checkpoint_and_time,  inside checkpoint_save(iteration) (0.16.1's final save calls
     save_checkpoint            save_checkpoint directly; a nested call records once)
     train_step                 iteration_start(it) ... iteration(it, tokens, report) --
@@ -43,7 +44,9 @@ live process writes the same ledger), and a failed trace write gives one ``Trace
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import time
 import types
 import warnings
 from collections.abc import Callable
@@ -53,7 +56,8 @@ from typing import Optional
 from ..dist.env import print_line
 from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
 from ..trace.merge import write_merged_trace
-from . import layout
+from . import layout, resume
+from .inprocess import ArgsOnReentry
 
 __all__ = ["HookOptions", "HookWarning", "MegatronLMHooks", "TraceWarning", "TraceWriter", "trace_due"]
 
@@ -144,12 +148,13 @@ class TraceWriter:
 class _Run:
     """One pretrain() call on this rank: its recorder, trace writer and checkpoint state."""
 
-    def __init__(self, *, options: HookOptions, margs, timers, training: types.ModuleType) -> None:
+    def __init__(self, *, options: HookOptions, margs, timers, training: types.ModuleType,
+                 since_wall: Optional[float] = None) -> None:
         self.rank, self.world = _rank_world()
         self.timers = timers
         # collective: another live job on this ledger fails every rank here, not rank 0 alone
         self.recorder = open_recorder(options.ledger_path, rank=self.rank, world=self.world,
-                                      since_wall=layout.train_start_time(training))
+                                      since_wall=since_wall or layout.train_start_time(training))
         self.traces = TraceWriter(options.trace_dir, self.rank) if options.trace_dir else None
         self.saving = False  # inside a recorded save: a nested save_checkpoint is the same save
         self.resumed = False
@@ -196,8 +201,16 @@ class MegatronLMHooks:
         self.run: Optional[_Run] = None
         self._entry: Optional[tuple] = None  # (Megatron's pretrain, our wrapper)
         self._wrapped: dict[str, tuple] = {}  # name -> (Megatron's function, our wrapper)
+        self.call_wrapper = None  # NVRx's, when --inprocess-restart injected it into this pretrain call
+        self.entered_wall: Optional[float] = None  # when this pretrain call began (time.time())
+        self.args_on_reentry = ArgsOnReentry()  # Megatron >= 0.18 forgets its parsed flags on a restart
 
     # -- installing --------------------------------------------------------------------
+
+    @property
+    def entry_wrapper(self) -> Optional[Callable]:
+        """Our wrapper of Megatron's ``pretrain`` (what entry scripts call), once attached."""
+        return None if self._entry is None else self._entry[1]
 
     def attach(self) -> None:
         if self._entry is not None:
@@ -248,6 +261,9 @@ class MegatronLMHooks:
     # -- the wrappers' bodies ----------------------------------------------------------
 
     def _pretrain(self, original, args, kwargs):
+        self.entered_wall = time.time()
+        self.call_wrapper = _call_wrapper(original, args, kwargs)
+        self.args_on_reentry.enter(original)
         try:
             result = original(*args, **kwargs)
         except SystemExit as exc:  # Megatron's own exits: code 0 is a clean end
@@ -263,8 +279,10 @@ class MegatronLMHooks:
         if self.options is not None and self.options.active:
             if self.run is not None:  # a second setup in one process without pretrain around it
                 self.run.recorder.close()
+            reentered = resume.restart_mechanism(self.call_wrapper, {}) == "in-process"
             self.run = _Run(options=self.options, margs=self.get_args(), timers=self.get_timers(),
-                            training=self.training)
+                            training=self.training,  # a restarted pretrain: its process started long ago
+                            since_wall=self.entered_wall if reentered else None)
         return original(*args, **kwargs)
 
     def _load(self, original, args, kwargs):
@@ -276,7 +294,8 @@ class MegatronLMHooks:
         iteration = layout.loaded_iteration(result)
         if iteration > 0 and not run.resumed:
             run.resumed = True
-            run.recorder.restart(iteration)
+            run.recorder.restart(iteration, checkpoint=resume.checkpoint_kind(self.get_args(), iteration),
+                                 mechanism=resume.restart_mechanism(self.call_wrapper))
         return result
 
     def _save(self, original, args, kwargs):
@@ -318,6 +337,14 @@ def _wrapper(original: Callable, handler: Callable) -> Callable:
 
     wrapper._rrfp_hook = True
     return wrapper
+
+
+def _call_wrapper(pretrain: Callable, args: tuple, kwargs: dict):
+    """The ``inprocess_call_wrapper`` NVRx passed (by position or by name), or None."""
+    try:
+        return inspect.signature(pretrain).bind_partial(*args, **kwargs).arguments.get("inprocess_call_wrapper")
+    except (TypeError, ValueError):
+        return kwargs.get("inprocess_call_wrapper")
 
 
 def _rank_world() -> tuple[int, int]:
