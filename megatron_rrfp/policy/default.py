@@ -82,7 +82,9 @@ class DefaultRule:
 DEFAULT_RULES: tuple[DefaultRule, ...] = (
     # The backward splits: ZB-H1 read readiness-first near Megatron's memory (at 1x only deferred
     # weight gradients give a stage something to run in a bubble); bfw once the limit leaves room
-    # to run ahead (below it ZB-H1's order keeps the interleaved warm-up the memory still binds).
+    # to run ahead (below it ZB-H1's order keeps the interleaved warm-up the memory still binds);
+    # where every forward fits (few microbatches) the memory binds nothing, whatever its multiple.
+    DefaultRule(hint="bfw", split=True, all_forwards=True),
     DefaultRule(hint="bfw", split=True, chunks=(1, 2), from_memory=1.25),
     DefaultRule(hint="bfw", split=True, chunks=(3, 3), from_memory=1.75),
     DefaultRule(hint="bfw", split=True, chunks=(4, math.inf), stages=(1, 4), from_memory=1.5),
