@@ -9,7 +9,9 @@ optimum at the cell's buffer limit (warm-started by every compared policy's orde
 default / optimum, strict Megatron (1F1B or interleaved, unsplit, its own memory) / optimum, the bound
 (``sim/bounds.py`` at the same memory and split) / optimum, and the best named hint / optimum; how many seeds
 the solver proved within ``--time-limit`` (unproven: the best order found, so the ratios are lower bounds on
-the true gap) and the solver's longest time. The last lines summarise.
+the true gap) and the solver's longest time. The last lines summarise. ``--in-order``: the optimum that keeps
+microbatches in order per stage, chunk and kind, as the policies do (what is left without clairvoyant reordering).
+Figures and commands: docs/simulator.md ("How far from the optimum").
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _ints(text: str) -> list[int]:
 
 
 def cell(pp: int, chunks: int, spec: str, name: str, *, seeds: int, per_stage: int, time_limit: float,
-         workers: int) -> dict:
+         workers: int, in_order: bool = False) -> dict:
     topology, m = Topology(pp, chunks), per_stage * pp
     limit = resolve_buffer_limit(spec, topology, m)
     variability = workload(GAP_WORKLOADS[name], pp)
@@ -53,7 +55,7 @@ def cell(pp: int, chunks: int, spec: str, name: str, *, seeds: int, per_stage: i
         bound = policy_lower_bound(policy("default", limit), topology, realization)
         optimum = optimal_schedule(realization, topology, buffer_limit=limit, split_backward=True,
                                    time_limit_s=time_limit, workers=workers, lower_bound=bound,
-                                   warm_start=[r.orders for r in runs.values()])
+                                   warm_start=[r.orders for r in runs.values()], in_order=in_order)
         opt = optimum.makespan
         named = min(NAMED, key=lambda n: runs[n].makespan)
         best_names.append(named)
@@ -106,6 +108,8 @@ def main() -> None:
     parser.add_argument("--microbatches-per-stage", type=int, default=2, help="M = this x PP (default 2)")
     parser.add_argument("--time-limit", type=float, default=5.0, help="solver seconds per seed (default 5)")
     parser.add_argument("--workers", type=int, default=8, help="CP-SAT workers (default 8)")
+    parser.add_argument("--in-order", action="store_true", help="the optimum that keeps microbatches in order per "
+                        "stage, chunk and kind, as the policies do (no clairvoyant reordering)")
     args = parser.parse_args()
     assert all(w in GAP_WORKLOADS for w in args.workloads.split(",")), f"--workloads: of {list(GAP_WORKLOADS)}"
     assert set(GAP_WORKLOADS.values()) <= set(WORKLOADS)
@@ -120,7 +124,7 @@ def main() -> None:
             for chunks in args.chunks:
                 for spec in [s for s in args.limits.split(",") if s]:
                     cells.append(cell(pp, chunks, spec, name, seeds=args.seeds, per_stage=args.microbatches_per_stage,
-                                      time_limit=args.time_limit, workers=args.workers))
+                                      time_limit=args.time_limit, workers=args.workers, in_order=args.in_order))
                     print(row(cells[-1]), flush=True)
     print(*summary(cells), sep="\n")
     print(f"{len(cells)} cells, seeds 0-{args.seeds - 1}, {time.perf_counter() - began:.0f} s")
