@@ -19,6 +19,10 @@
 #   DATA_PATH    a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx) in both modes;
 #                unset: synthetic data (own driver) / --mock-data (Megatron-LM)
 #   PYTHON       interpreter (default python3); GPUS_PER_NODE (default: from SLURM / nvidia-smi)
+#   RRFP_INPROCESS_RESTART=1  Megatron-LM only (MEGATRON_LM): --inprocess-restart (NVRx; the
+#                'resilience' extra), --inprocess-granularity rank in CPU mode, and srun with
+#                --kill-on-bad-exit=0: a rank NVRx terminates must not take the step down, or no
+#                rank is left to restart in-process (docs/resilience.md, "the resilient recipe")
 #   RRFP_MAX_RESTARTS  GPU mode: torchrun restarts every rank this often after a rank fails
 #                (default 3); the restarted ranks resume from the latest checkpoint. On GPUs a
 #                failed iteration (a dead peer, an RRFP stall) is not recovered in-process:
@@ -106,16 +110,17 @@ rrfp_setup() {
 
 # rrfp_run MODULE ARGS...: `python -m MODULE ARGS...` as every rank of the job.
 rrfp_run() {
-    local module=$1
+    local module=$1 kill_on_bad_exit=1
+    if [[ "${RRFP_INPROCESS_RESTART:-0}" == 1 ]]; then kill_on_bad_exit=0; fi  # NVRx restarts in-process (the knob)
     shift
     echo "rrfp: python -m $module on $WORLD_SIZE ranks: $*"
     if [[ "$RRFP_CPU" == 1 ]]; then
         # One rank per task. megatron_rrfp.train reads SLURM_PROCID/SLURM_NTASKS itself;
         # Megatron-LM reads only RANK/WORLD_SIZE/LOCAL_RANK, so those are set per task.
         if [[ "$module" == megatron_rrfp.train ]]; then
-            srun --kill-on-bad-exit=1 "$PYTHON" -m "$module" "$@"
+            srun --kill-on-bad-exit="$kill_on_bad_exit" "$PYTHON" -m "$module" "$@"
         else
-            srun --kill-on-bad-exit=1 bash -c \
+            srun --kill-on-bad-exit="$kill_on_bad_exit" bash -c \
                 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID exec "$0" "$@"' \
                 "$PYTHON" -m "$module" "$@"
         fi
@@ -123,7 +128,7 @@ rrfp_run() {
         # One torchrun per node; c10d rendezvous on the first node; one rank per GPU. SLURM's
         # --signal=USR1 reaches every process of the step: torchrun itself ignores it (its
         # default action would kill it), its ranks inherit that and install their own handler.
-        srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec "$@"' rrfp-torchrun \
+        srun --ntasks-per-node=1 --kill-on-bad-exit="$kill_on_bad_exit" bash -c 'trap "" USR1; exec "$@"' rrfp-torchrun \
             "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$GPUS_PER_NODE" \
             --max-restarts "$RRFP_MAX_RESTARTS" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
             --module "$module" "$@"
