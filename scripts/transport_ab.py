@@ -61,9 +61,9 @@ def main() -> int:
     parser.add_argument("what", choices=("demo", "bench", "tests"))
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--out", default="rrfp-out/transport-ab")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="after --: the command's own arguments")
-    args = parser.parse_args()
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, rest = parser.parse_args(argv[:split]), argv[split + 1:]  # after --: the command's own arguments
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.what == "tests":
