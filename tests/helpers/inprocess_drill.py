@@ -9,6 +9,8 @@ logs), ``RRFP_DRILL_MICROBATCH`` (the forward call within that iteration, defaul
 once, ``os._exit(3)``) or ``hang`` (the forward step never returns; Python keeps running, so an
 asynchronous exception can still end it). The fault fires once per process: after an in-process
 restart the same iteration runs through. Each firing is printed as ``rrfp-drill: fault ...``.
+``RRFP_DRILL_DUMP_S``: every rank dumps all its threads' stacks that many seconds into the fault's
+iteration (where a restart spends its time).
 
 The fault sits in megatron-core's ``schedules.forward_step``, which Megatron's own schedules and
 rrfp's executor both look up at call time, so the drill is the same for ``--pipeline-schedule
@@ -85,6 +87,12 @@ def install_drill() -> None:
     def forward_step(forward_step_func, *args, **kwargs):
         rank = dist.get_rank()
         _watch_world(rank)
+        if os.environ.get("RRFP_DRILL_DUMP_S") and not calls.get("armed") and _iteration() == int(
+                os.environ["RRFP_DRILL_ITERATION"]):  # every rank's stacks that long into the fault's iteration
+            import faulthandler
+
+            calls["armed"] = True
+            faulthandler.dump_traceback_later(float(os.environ["RRFP_DRILL_DUMP_S"]), repeat=False)
         if rank == int(os.environ["RRFP_DRILL_RANK"]):
             forward_step_func = _faulty(forward_step_func, rank, kind, microbatch, calls)
         return original(forward_step_func, *args, **kwargs)
