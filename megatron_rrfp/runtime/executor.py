@@ -61,6 +61,10 @@ class StageWork(Protocol):
 
     def weight(self, task: Task) -> None: ...
 
+    # with ``ArbiterConfig.pair_forward_backward`` only: (F task, input, send) and (B task, output
+    # gradient, send) run as one combined step
+    def pair(self, forward: tuple, backward: tuple) -> None: ...
+
 
 AroundTask = Callable[[Task, Callable[[], None]], None]
 """``around_task(task, run)``: called for each F / B / W with ``run()``, which does the task's
