@@ -39,15 +39,10 @@ Three ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
   replicas stay independent and nothing in the loop joins two pipelines. Cost: the DP
   communication is no longer hidden behind compute.
 
-Measured on the CUDA protocol over gloo, after-loop is ahead of lock-step at PP 2 and PP 4
-at equal memory, so ``auto`` reads after-loop. The simulator (``scripts/lockstep_cost.py``)
-agrees under jitter from PP 4 but has lock-step ahead where run-time jitter is small or DP
-communication is large against the pipeline's work: name ``lockstep`` there. The figures and
-their commands: docs/production-configurations.md ("The whole-stage agreement's cost").
-
-CPU runs (gloo; host-synchronous, no shared device queue) and DP = 1 need nothing; an
-explicit ``after-loop`` applies on any device, and so does an explicit ``lockstep`` with
-interleaving (on CPU it measures what the rule costs: ``megatron-rrfp bench --whole-stage-agreement``).
+``auto`` reads after-loop (ahead of lock-step at PP 2 and 4 at equal memory, measured on the
+CUDA protocol over gloo); the figures, and where to name another: docs/production-configurations.md
+("The whole-stage agreement's cost") and docs/design/dp-epochs.md. CPU runs (gloo, host-synchronous)
+and DP = 1 need nothing; a named choice applies on any device where there is something to place.
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ BREAKDOWN_FIELDS = ("compute_s", "wait_s", "backpressure_s", "agree_s", "flush_s
 """Seconds per iteration in each state of the compute thread (``IterationReport``'s fields)."""
 
 
+class PipelineStallError(RuntimeError):
+    """No progress within the timeout, or a peer failed: carries this rank's state."""
+
+
 @dataclass(slots=True)
 class IterationReport:
     """What one rank did in one iteration (measured)."""

@@ -270,9 +270,10 @@ EQUIVALENCE_STEPS = {
 PRODUCTION_STEPS = {
     "production-sp-tp2-pp2": dict(tp=2, pp=2, sequence_parallel=True),  # W re-gathers its input over TP
     # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved (mcore/dp_overlap.py):
-    # the default, DP communication out of the task loop; and in it, under the whole-stage agreement
+    # the default, DP communication out of the task loop; in it, under the whole-stage agreement; under the epoch rule
     "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
     "production-dp-lockstep-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="lockstep"),
+    "production-dp-epochs-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="epochs"),  # the epoch rule
     "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
     "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),
 }

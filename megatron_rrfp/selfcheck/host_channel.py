@@ -61,9 +61,10 @@ class ChannelHub:
     def register(self, rank: int, on_record, on_error) -> None:
         with self.cv:
             self.handlers[rank] = (on_record, on_error)
-            now = time.monotonic()
-            for _, seq, src, dst, rec in self._early.pop(rank, []):  # in arrival order (seq breaks ties)
-                heapq.heappush(self.heap, (now, seq, src, dst, rec))
+            # at their own due times (all past): a record of the same direction still in the heap is due
+            # later, so it cannot overtake them
+            for item in self._early.pop(rank, []):
+                heapq.heappush(self.heap, item)
             self.cv.notify()
 
 

@@ -50,7 +50,7 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter all-gathers "
         "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap auto; 'lockstep' "
         "keeps it in the loop)")
-    with pytest.raises(ValueError, match=r"dp_overlap \(--rrfp-dp-overlap\) must be one of auto, lockstep, after-loop"):
+    with pytest.raises(ValueError, match=r"dp_overlap \(--rrfp-dp-overlap\) must be one of auto, epochs, lockstep, after-loop"):
         RRFPConfig.of(dp_overlap="at-end")
 
 

@@ -45,6 +45,10 @@ HYBRID_SPEC = ["--spec", "megatron_rrfp.mcore.hybrid_spec", "hybrid_stack_spec"]
 CASES = {  # id: (script, flags)
     "gpt-tp2-pp2": ("pretrain_gpt.py", [*TP2_PP2, "--num-layers", "2"]),
     "gpt-pp2-2chunks-dp2-overlap": ("pretrain_gpt.py", PRODUCTION),
+    # the DP epoch rule forced on gloo (--rrfp-dp-overlap epochs, RRFP_RUNS), split on and off; PP=4: 8 ranks
+    "gpt-pp2-2chunks-dp2-epochs": ("pretrain_gpt.py", PRODUCTION),
+    "gpt-pp4-2chunks-dp2-epochs": ("pretrain_gpt.py", [*PRODUCTION, "--pipeline-model-parallel-size", "4",
+                                                       "--num-layers", "8", "--micro-batch-size", "1"]),
     "hybrid-tp2-pp2": ("pretrain_hybrid.py", [*TP2_PP2, "--hybrid-layer-pattern", "*-|*-", *HYBRID_SPEC]),
     "hybrid-pp2-2chunks": ("pretrain_hybrid.py", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern",
                                                   "*-|*-|*-|*-", *HYBRID_SPEC]),
@@ -56,7 +60,12 @@ CASES = {  # id: (script, flags)
     # the rest of LLaVA's matrix (PP2/PP4 x TP1/TP2, both trees): scripts/pretrain_vlm_rrfp_matrix.py
     "vlm-pp2": ("pretrain_vlm.py", ["--pipeline-model-parallel-size", "2", "--num-layers", "4", *VLM]),
 }
-GRAD_NORMS = {"vlm-pp2", "gpt-pp2-2chunks-dp2-overlap", "gpt-pp2-layout-1-3"}  # tensorboard's; the split active
+EPOCHS = ["--rrfp-dp-overlap", "epochs"]
+RRFP_RUNS = {  # rrfp's runs of a case, each against the one Megatron run (default: one, with rrfp's defaults)
+    "gpt-pp2-2chunks-dp2-epochs": [EPOCHS, [*EPOCHS, "--rrfp-hint", "bf"]],
+    "gpt-pp4-2chunks-dp2-epochs": [EPOCHS, [*EPOCHS, "--rrfp-hint", "bf"]],
+}
+GRAD_NORMS = {"vlm-pp2", "gpt-pp2-2chunks-dp2-overlap", "gpt-pp2-layout-1-3", *RRFP_RUNS}  # the split active
 INTERLEAVED_LAYOUT = {"gpt-pp2-layout-2chunks-0-2-1-1"}  # refused where compat.interleaved_layout_unverified()
 TWO_RANKS = {"vlm-pp2", "gpt-pp2-layout-1-3", "gpt-pp2-layout-2chunks-0-2-1-1"}  # PP=2 alone (else DP=2 or TP=2)
 LAUNCH_TIMEOUT_S = 900
@@ -90,25 +99,29 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
             "--pipeline-model-parallel-layout 'E|tt|t|tL'" in run["log"], run["log"][-6000:]
         assert "> initializing torch distributed" not in run["log"], run["log"][-6000:]
         return
-    runs = {schedule: pretrain(tree, script, flags, ["--pipeline-schedule", schedule], tmp_path,
-                               nproc=2 if case in TWO_RANKS else 4, timeout=LAUNCH_TIMEOUT_S,
-                               tensorboard=tmp_path / schedule if grad_norms else None)
-            for schedule in ("rrfp", "1f1b")}
-    rrfp, reference = runs["rrfp"], runs["1f1b"]
-    print(f"{tree.name} {case}: rrfp {rrfp['loss']} {rrfp['grad_norm']} "
-          f"1f1b {reference['loss']} {reference['grad_norm']}")  # the figures the docs quote (pytest -s)
+    nproc = 2 if case in TWO_RANKS else (8 if "pp4" in case else 4)
+    reference = pretrain(tree, script, flags, ["--pipeline-schedule", "1f1b"], tmp_path, nproc=nproc,
+                         timeout=LAUNCH_TIMEOUT_S, tensorboard=tmp_path / "1f1b" if grad_norms else None)
     assert sorted(reference["loss"]) == [1, 2, 3], reference["log"][-6000:]
-    if grad_norms:  # grad norms too, and the split active (LLaVA: on its ViT and decoder)
+    if grad_norms:
         assert sorted(reference["grad_norm"]) == [1, 2, 3], reference["log"][-6000:]
-        assert "linears deferred to W" in rrfp["log"], rrfp["log"][-6000:]
-    if flags is PRODUCTION:  # Megatron-LM kept them (its arguments print, both runs)
-        for name in ("overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer"):
-            for run in (rrfp, reference):
-                assert re.search(rf"\b{name} \.+ True\b", run["log"]), (name, run["log"][-6000:])
-    for metric in ("loss", "grad_norm"):
-        for iteration, value in reference[metric].items():
-            assert rrfp[metric][iteration] == pytest.approx(value, rel=1e-5), (metric, iteration, rrfp[metric],
-                                                                              reference[metric])
+    for n, extra in enumerate(RRFP_RUNS.get(case, [[]])):
+        rrfp = pretrain(tree, script, flags, ["--pipeline-schedule", "rrfp", *extra], tmp_path, nproc=nproc,
+                        timeout=LAUNCH_TIMEOUT_S, tensorboard=tmp_path / f"rrfp{n}" if grad_norms else None)
+        print(f"{tree.name} {case} {' '.join(extra)}: rrfp {rrfp['loss']} {rrfp['grad_norm']} "
+              f"1f1b {reference['loss']} {reference['grad_norm']}")  # the figures the docs quote (pytest -s)
+        if grad_norms and "bf" not in extra:  # the split active (LLaVA: on its ViT and decoder)
+            assert "linears deferred to W" in rrfp["log"], rrfp["log"][-6000:]
+        if extra[:2] == EPOCHS:  # the rule ran: the job's one line says where DP communication goes
+            assert "in the task loop at fixed DP points" in rrfp["log"], rrfp["log"][-6000:]
+        if flags[:len(PRODUCTION)] == PRODUCTION:  # Megatron-LM kept them (its arguments print, both runs)
+            for name in ("overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer"):
+                for run in (rrfp, reference):
+                    assert re.search(rf"\b{name} \.+ True\b", run["log"]), (name, run["log"][-6000:])
+        for metric in ("loss", "grad_norm"):
+            for iteration, value in reference[metric].items():
+                assert rrfp[metric][iteration] == pytest.approx(value, rel=1e-5), (metric, iteration, extra,
+                                                                                  rrfp[metric], reference[metric])
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)

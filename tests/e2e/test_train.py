@@ -281,6 +281,33 @@ def test_dp2_pp2_interleaved_production_flags_same_losses_as_1f1b():
     assert norms[0] == norms[1] == norms[2], norms  # the reduced gradients too
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dp2_interleaved_epoch_rule_same_losses_as_megatron_with_and_without_the_split(pp):
+    """--rrfp-dp-overlap epochs (the DP epoch rule, forced on CPU: the rounds transport over gloo)
+    under DP=2 x PP x 2 chunks with the production DP flags: losses and grad norms equal to
+    Megatron's interleaved 1F1B, with the default policy (B/W split) and with bf (no split)."""
+    layout = [*TINY, "--nproc", str(2 * pp), "--pipeline-model-parallel-size", str(pp), "--train-iters", "3",
+              "--micro-batch-size", str(4 // pp), "--num-layers", str(2 * pp), "--virtual-pipeline-model-parallel-size",
+              "2", "--overlap-grad-reduce",
+              "--overlap-param-gather", "--use-distributed-optimizer"]
+    megatron = train(*layout, "--pipeline-schedule", "1f1b", timeout=400)
+    runs = [train(*layout, "--pipeline-schedule", "rrfp", "--rrfp-dp-overlap", "epochs", *hint, timeout=400)
+            for hint in ([], ["--rrfp-hint", "bf"])]
+    for run in runs:
+        assert ("megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: in the task loop "
+                "at fixed DP points") in run.stdout, run.stdout[-2000:]
+    assert "without the B/W split" not in runs[0].stdout, runs[0].stdout[-2000:]
+    reference = losses(megatron)
+    assert reference.keys() == {1, 2, 3}
+    for run in runs:
+        ours = losses(run)
+        assert ours.keys() == reference.keys() and all(abs(ours[i] - reference[i]) <= 1e-5 for i in ours), \
+            (ours, reference)
+    norms = [{m.group(1): m.group(8) for m in LOSS_LINE.finditer(r.stdout)} for r in (megatron, *runs)]
+    assert norms[0] == norms[1] == norms[2], norms
+
+
 def test_interleaving_flags_are_checked_before_any_rank_starts():
     from megatron_rrfp.train.config import check_layout, from_args
     from megatron_rrfp.train.driver import build_parser
