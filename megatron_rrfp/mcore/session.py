@@ -27,6 +27,7 @@ rank rebuilds in the same call, as the collective creation needs):
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 from typing import Optional
@@ -145,7 +146,22 @@ def session(pp_ranks: list[int], agree_ranks: list[int], device: torch.device, t
     if state.session is None:
         state.session = Session(pp_ranks=pp_ranks, agree_ranks=agree_ranks, device=device, timeout_s=timeout_s,
                                 transport=transport)
+        _close_at_exit()
     return state.session
+
+
+def _close_at_exit() -> None:
+    """Close the session when the interpreter exits (Megatron-LM's scripts just return): the rounds
+    transport's host channel keeps a gloo receive posted between steps, and a thread still blocked
+    in one while the process exits aborts it ("terminate called without an active exception",
+    exit -6, after a complete run). Closing sends each peer a BYE record, which ends its receive."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(shutdown)
+        _EXIT_HOOKED = True
+
+
+_EXIT_HOOKED = False
 
 
 def discard(timeout: float = 0.5) -> None:
