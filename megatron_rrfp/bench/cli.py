@@ -87,9 +87,10 @@ class BenchOptions:
     whole_stage_agreement: bool = switch("RRFP agrees over every DP replica of a stage, as on CUDA with "
                                          "interleaving, DP > 1 and overlap: measures the rule's cost on CPU",
                                          group=_PRODUCTION)
-    rrfp_dp_overlap: str = option("auto", "as train's flag; after-loop applies on CPU too (all-gathers before RRFP's "
-                                  "task loop, reductions after it)", group=_PRODUCTION,
-                                  choices=("auto", "lockstep", "after-loop"))
+    rrfp_dp_overlap: str = option("auto", "as train's flag; a named choice applies on CPU too (epochs: on the "
+                                  "rounds transport; after-loop: all-gathers before RRFP's task loop, "
+                                  "reductions after it)", group=_PRODUCTION,
+                                  choices=("auto", "epochs", "lockstep", "after-loop"))
 
 
 def add_bench_parsers(sub) -> None:

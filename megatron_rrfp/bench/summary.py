@@ -115,21 +115,30 @@ def summarize(config, per_rank: list[dict]) -> dict:
 def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) -> float:
     """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
     bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
-    after-loop choice (``mcore/dp_overlap.py``) as DP communication at the end."""
-    from ..mcore.dp_overlap import AFTER_LOOP, dp_communication_of_layout
+    choice of ``mcore/dp_overlap.py`` as it runs: after-loop as DP communication at the end, the
+    epoch rule through ``sim/dp_epochs.py`` on the timeline the executor uses."""
+    from ..mcore.dp_overlap import AFTER_LOOP, EPOCHS, dp_communication_of_layout
+    from ..policy.epochs import timeline_for
+    from ..policy.plan import Plan
     from ..sim.dp_comm import DPComm, iteration_time
+    from ..sim.dp_epochs import run_with_epochs
     from ..sim.simulator import simulate
 
-    after_loop = rrfp and dp_communication_of_layout(
+    mode = rrfp and dp_communication_of_layout(
         overlap=config.overlap_grad_reduce or config.overlap_param_gather, num_chunks=topology.num_chunks,
-        device_type=config.device, data_parallel_size=config.data_parallel,
-        choice=config.dp_overlap) == AFTER_LOOP
-    trace = simulate(arbiter_config, topology, config.num_microbatches, realization, record_trace=True).trace
+        device_type=config.device, data_parallel_size=config.data_parallel, choice=config.dp_overlap)
+    m = config.num_microbatches
+    if mode == EPOCHS:
+        split = Plan.build(arbiter_config, topology, m).split_backward
+        trace = run_with_epochs(arbiter_config, topology, m, realization,
+                                timeline_for(arbiter_config, topology, m, split)).trace
+    else:
+        trace = simulate(arbiter_config, topology, m, realization, record_trace=True).trace
     comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,
                   buckets_per_chunk=1)
     return iteration_time(trace, topology.num_stages, topology.num_chunks, comm,
-                          overlap_grad_reduce=config.overlap_grad_reduce and not after_loop,
-                          overlap_param_gather=config.overlap_param_gather and not after_loop)
+                          overlap_grad_reduce=config.overlap_grad_reduce and mode != AFTER_LOOP,
+                          overlap_param_gather=config.overlap_param_gather and mode != AFTER_LOOP)
 
 
 def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:

@@ -274,6 +274,7 @@ PRODUCTION_STEPS = {
     "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
     "production-dp-lockstep-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="lockstep"),
     "production-dp-epochs-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="epochs"),  # the epoch rule
+    "production-dp-epochs-pp4-chunks2": dict(pp=4, chunks=2, overlap=True, dp_overlap="epochs"),
     "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
     "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),
 }
