@@ -93,8 +93,8 @@ def _announce_interleaved_bf(config: ArbiterConfig, topology: Topology, num_micr
         multiple = memory.limit / memory.megatron_peak
         warnings.warn(f"megatron-rrfp: hint {name!r} with {topology.num_chunks} chunks at {multiple:.3g}x "
                       f"Megatron's memory is slower than Megatron's interleaved schedule under run-time jitter "
-                      f"(simulated 0.70-0.98x); hint 'default' reads zbh1 / Megatron's order here", RuntimeWarning,
-                      stacklevel=3)
+                      f"(simulated: docs/simulator.md); hint 'default' reads zbh1 / Megatron's order here",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _materialize(config: ArbiterConfig, topology: Topology, num_microbatches: int) -> list[list[Task]]:

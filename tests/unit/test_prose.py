@@ -1,7 +1,7 @@
 """Prose that stays true: every module, name and path that a docstring, comment or doc names
-exists; no docstring or comment carries an issue number, and the package's carry no measured
-figures (figures live in docs/*.md with the command that produced them); no test is named
-after an issue.
+exists; no docstring or comment carries an issue number, and the package's docstrings, comments,
+warnings and error messages carry no measured figures (figures live in docs/*.md with the command
+that produced them); no test is named after an issue.
 
 Static: files are read and parsed (``ast``, ``tokenize``), nothing is imported or run.
 """
@@ -265,8 +265,34 @@ def test_no_issue_numbers_in_docstrings_or_comments():
     assert not bad, "say the reason instead of the issue's number:\n" + "\n".join(bad)
 
 
-def test_no_measured_figures_in_the_packages_docstrings_or_comments():
-    bad = [f"{file}:{line}: {m.group()}" for file, line, text in _package_prose()
+# Calls whose string arguments a user reads as a message: warnings.warn, a logger's warning / error,
+# and the exception a raise builds.
+_MESSAGE_CALLS = frozenset({"warn", "warning", "error", "critical", "exception"})
+
+
+def _message_strings(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+    """The constant text (an f-string's literal parts too) of every warning, logged error and raised
+    exception's message in a file."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        call = node.exc if isinstance(node, ast.Raise) else node
+        if not isinstance(call, ast.Call):
+            continue
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        if isinstance(node, ast.Raise) or name in _MESSAGE_CALLS:
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                yield from ((n.lineno, n.value) for n in ast.walk(arg)
+                            if isinstance(n, ast.Constant) and isinstance(n.value, str))
+
+
+def _package_messages() -> Iterator[tuple[str, int, str]]:
+    for path in _python_files():
+        if path.is_relative_to(PACKAGE) and _rel(path) not in PENDING:
+            for line, text in _message_strings(path):
+                yield _rel(path), line, text
+
+
+def test_no_measured_figures_in_the_packages_docstrings_comments_or_messages():
+    bad = [f"{file}:{line}: {m.group()}" for file, line, text in [*_package_prose(), *_package_messages()]
            for m in _FIGURE.finditer(text)]
     assert not bad, ("a measured figure belongs in docs/*.md beside the command that produced it:\n"
                      + "\n".join(bad))
@@ -283,6 +309,17 @@ def test_the_prose_patterns_tell_figures_and_issue_numbers_from_settings():
     assert [s for s in settings if _FIGURE.search(s)] == []
     assert all(_ISSUE.search(s) for s in ["issue 31", "(issue-30)", "Issues 10 and 14", "see #27"])
     assert not any(_ISSUE.search(s) for s in ["Megatron-LM #1234", "issued by rank 0", "&#39;", "colour #55A868"])
+
+
+def test_the_message_check_reads_warnings_logged_errors_and_raised_exceptions(tmp_path):
+    source = tmp_path / "messages.py"
+    source.write_text("import warnings\n"
+                      "warnings.warn(f'hint {name!r} is slower (simulated 0.70-0.98x)', RuntimeWarning)\n"
+                      "log.warning('the step took 3.4 s')\n"
+                      "raise ValueError(f'--buffer-limit {x}: ' 'measured at 41 ms')\n"
+                      "print('12% faster')\n", encoding="utf-8")
+    found = {m.group() for _, text in _message_strings(source) for m in _FIGURE.finditer(text)}
+    assert found == {"0.70-0.98x", "took 3.4 s", "measured at 41 ms"}  # not the print's line
 
 
 # ---------------------------------------------------------------- module docstrings say what and why
