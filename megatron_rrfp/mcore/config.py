@@ -47,8 +47,9 @@ class RRFPConfig:
     """'rounds' (NCCL-safe rounds; CUDA's, and runs over gloo too), 'threads' (gloo threads,
     host tensors) or 'auto' (rounds on CUDA, threads on CPU); see mcore/session.py."""
     dp_overlap: str = "auto"
-    """Where overlapped DP communication goes with interleaving and DP > 1 on CUDA: 'lockstep',
-    'after-loop' (either on any device when named) or 'auto' (--rrfp-dp-overlap; mcore/dp_overlap.py)."""
+    """Where overlapped DP communication goes with interleaving and DP > 1 on CUDA: 'epochs' (the
+    DP epoch rule), 'lockstep', 'after-loop' (each on any device when named) or 'auto' (epochs there;
+    --rrfp-dp-overlap; mcore/dp_overlap.py)."""
     around_task: Optional[AroundTask] = None
     """Called as ``around_task(task, run)`` for each F / B / W this rank runs; ``run()`` does the
     task's work (instrumentation from outside the runtime: profiler ranges, the bench's emulated

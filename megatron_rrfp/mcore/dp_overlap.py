@@ -39,10 +39,12 @@ Three ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
   replicas stay independent and nothing in the loop joins two pipelines. Cost: the DP
   communication is no longer hidden behind compute.
 
-``auto`` reads after-loop (ahead of lock-step at PP 2 and 4 at equal memory, measured on the
-CUDA protocol over gloo); the figures, and where to name another: docs/production-configurations.md
-("The whole-stage agreement's cost") and docs/design/dp-epochs.md. CPU runs (gloo, host-synchronous)
-and DP = 1 need nothing; a named choice applies on any device where there is something to place.
+``auto`` reads the epoch rule: the one choice the simulator and the bench put at or above Megatron's
+overlapped schedule with light and heavy DP communication alike (after-loop leaves it exposed, lock-step
+inherits the slower replica); where DP communication is light against the pipeline's work after-loop
+can be ahead. Figures and when to name another: docs/production-configurations.md and
+docs/design/dp-epochs.md. CPU runs (gloo, host-synchronous) and DP = 1 need nothing; a named choice
+applies on any device where there is something to place.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def dp_communication_of_layout(*, overlap: bool, num_chunks: int, device_type: s
         return AFTER_LOOP
     if num_chunks < 2 or (device_type != "cuda" and choice not in (LOCKSTEP, EPOCHS)):
         return IN_LOOP
-    return AFTER_LOOP if choice == "auto" else choice  # auto: after-loop (module docstring)
+    return EPOCHS if choice == "auto" else choice  # auto: the epoch rule (module docstring)
 
 
 def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
@@ -99,7 +101,7 @@ def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
              EPOCHS: "in the task loop at fixed DP points, rounds in epoch order (replicas independent between "
                      "DP points)"}.get(mode, "parameter all-gathers before the task loop, reductions after it "
                                          "(replicas independent)")
-    why = f"--rrfp-dp-overlap {choice}" + ("; 'lockstep' keeps it in the loop" if choice == "auto" else "")
+    why = f"--rrfp-dp-overlap {choice}" + ("; 'after-loop' or 'lockstep' name the others" if choice == "auto" else "")
     layout = f"DP {data_parallel_size}" + (f" x {len(models)} chunks" if len(models) > 1 else "")
     return f"megatron-rrfp: {layout} with {flags}: {where} ({why})"
 

@@ -49,9 +49,11 @@ def add_rrfp_arguments(parser: argparse.ArgumentParser, *, check_types: bool = T
                             f"(default {DEFAULT_TIMEOUT_S:g})")
     group.add_argument("--rrfp-dp-overlap", choices=DP_OVERLAP_CHOICES, default="auto",
                        help="with interleaving, DP > 1 and --overlap-grad-reduce / --overlap-param-gather on GPUs: "
-                            "lockstep (DP communication inside the task loop, every DP replica of a stage in the "
-                            "agreement), after-loop (parameter all-gathers before the task loop, reductions after "
-                            "it; on any device when named) or auto (after-loop there; default)")
+                            "epochs (DP communication where Megatron issues it, at fixed points of each stage's "
+                            "task order, replicas independent between them; the rounds transport), lockstep (in "
+                            "the task loop, every DP replica of a stage in the agreement), after-loop (parameter "
+                            "all-gathers before the task loop, reductions after it) or auto (epochs there; "
+                            "default). A named choice applies on any device")
     group.add_argument("--rrfp-trace-dir", default=None,
                        help="write a Chrome/Perfetto trace of measured task timings per rank here")
     group.add_argument("--rrfp-goodput-ledger", default=None,

@@ -61,13 +61,13 @@ STEPS_ONE_GPU = ("environment", "queue-serialization", "loopback", "stage-memory
 STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2", "equivalence-pp4-chunks2-dp2",
                    "te-bfw", "te-bias", "te-first-microbatch", "te-fp8", "te-grouped",
                    *("production-" + name for name in ("sp-tp2-pp2", "dp-overlap-pp2-chunks2",
-                                                     "dp-lockstep-pp2-chunks2", "dp-epochs-pp2-chunks2",
+                                                     "dp-lockstep-pp2-chunks2", "dp-after-loop-pp2-chunks2",
                                                      "dp-epochs-pp4-chunks2", "moe-ep2-pp2",
                                                      "bf16-dp-overlap-pp2-chunks2")))
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
                "equivalence-pp4-chunks2-dp2": 8, "production-sp-tp2-pp2": 4, "production-dp-overlap-pp2-chunks2": 4,
-               "production-dp-lockstep-pp2-chunks2": 4, "production-dp-epochs-pp2-chunks2": 4,
+               "production-dp-lockstep-pp2-chunks2": 4, "production-dp-after-loop-pp2-chunks2": 4,
                "production-dp-epochs-pp4-chunks2": 8, "production-moe-ep2-pp2": 4,
                "production-bf16-dp-overlap-pp2-chunks2": 4}
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""

@@ -270,10 +270,10 @@ EQUIVALENCE_STEPS = {
 PRODUCTION_STEPS = {
     "production-sp-tp2-pp2": dict(tp=2, pp=2, sequence_parallel=True),  # W re-gathers its input over TP
     # --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer, interleaved (mcore/dp_overlap.py):
-    # the default, DP communication out of the task loop; in it, under the whole-stage agreement; under the epoch rule
+    # the default (the epoch rule); under the whole-stage agreement; DP communication out of the task loop
     "production-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True),
     "production-dp-lockstep-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="lockstep"),
-    "production-dp-epochs-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="epochs"),  # the epoch rule
+    "production-dp-after-loop-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, dp_overlap="after-loop"),
     "production-dp-epochs-pp4-chunks2": dict(pp=4, chunks=2, overlap=True, dp_overlap="epochs"),
     "production-moe-ep2-pp2": dict(pp=2, ep=2),  # alltoall dispatcher, EP over DP replicas
     "production-bf16-dp-overlap-pp2-chunks2": dict(pp=2, chunks=2, overlap=True, bf16=True),

@@ -11,7 +11,8 @@ from megatron_rrfp.mcore import dp_overlap
 from megatron_rrfp.mcore.config import RRFPConfig
 from megatron_rrfp.mcore.dp_overlap import overlapped_dp_communication_allowed, overlapping_flags, whole_stage_agreement
 
-AFTER_LOOP, IN_LOOP, LOCKSTEP = dp_overlap.AFTER_LOOP, dp_overlap.IN_LOOP, dp_overlap.LOCKSTEP
+AFTER_LOOP, EPOCHS, IN_LOOP, LOCKSTEP = (dp_overlap.AFTER_LOOP, dp_overlap.EPOCHS, dp_overlap.IN_LOOP,
+                                        dp_overlap.LOCKSTEP)
 
 
 def _ddp(grad: bool, param: bool):
@@ -35,7 +36,9 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
         return dp_overlap.dp_communication(models, device_type=device, data_parallel_size=dp, choice=choice,
                                            forward_only=forward_only)
 
-    assert mode() == mode(choice="after-loop") == AFTER_LOOP and mode(choice="lockstep") == LOCKSTEP
+    assert mode() == mode(choice="epochs") == EPOCHS  # the default on CUDA: the epoch rule
+    assert mode(choice="after-loop") == AFTER_LOOP and mode(choice="lockstep") == LOCKSTEP
+    assert mode(device="cpu", choice="epochs") == EPOCHS and mode(dp=1, choice="epochs") == IN_LOOP
     # nothing to place: CPU, one chunk, DP 1, no overlap flag, forward only; a named after-loop applies anywhere
     assert mode(device="cpu") == mode(models=chunks[:1]) == mode(dp=1) == IN_LOOP
     assert mode(models=[_ddp(False, False)] * 2) == mode(forward_only=True) == IN_LOOP
@@ -46,11 +49,15 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
     assert mode(device="cpu", choice="lockstep") == LOCKSTEP
     assert mode(device="cpu", choice="lockstep", models=chunks[:1]) == mode(dp=1, choice="lockstep") == IN_LOOP
     assert not whole_stage_agreement(chunks, device_type="cpu", data_parallel_size=2)
-    assert dp_overlap.describe(AFTER_LOOP, "auto", chunks, 2) == (
+    assert dp_overlap.describe(EPOCHS, "auto", chunks, 2) == (
+        "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: in the task loop at "
+        "fixed DP points, rounds in epoch order (replicas independent between DP points) (--rrfp-dp-overlap auto; "
+        "'after-loop' or 'lockstep' name the others)")
+    assert dp_overlap.describe(AFTER_LOOP, "after-loop", chunks, 2) == (
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter all-gathers "
-        "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap auto; 'lockstep' "
-        "keeps it in the loop)")
-    with pytest.raises(ValueError, match=r"dp_overlap \(--rrfp-dp-overlap\) must be one of auto, epochs, lockstep, after-loop"):
+        "before the task loop, reductions after it (replicas independent) (--rrfp-dp-overlap after-loop)")
+    with pytest.raises(ValueError, match=r"dp_overlap \(--rrfp-dp-overlap\) must be one of auto, epochs, lockstep, "
+                                         r"after-loop"):
         RRFPConfig.of(dp_overlap="at-end")
 
 
@@ -132,8 +139,9 @@ def _production_steps_on_cpu() -> list:
     from megatron_rrfp.selfcheck.equivalence import PRODUCTION_STEPS, gpt_equivalence
 
     ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
-    # the DP-overlap step as CUDA runs it by default: DP communication out of the loop (named: CPU needs no rule)
-    after_loop = {**PRODUCTION_STEPS["production-dp-overlap-pp2-chunks2"], "dp_overlap": "after-loop"}
+    # the after-loop step: DP communication out of the loop (named, so it applies on CPU; the default's
+    # epoch rule has its own CPU twin, test_dp_epoch_rule.py)
+    after_loop = PRODUCTION_STEPS["production-dp-after-loop-pp2-chunks2"]
     return [gpt_equivalence(ctx, iterations=2, num_microbatches=4, device="cpu", **layout)
             for layout in (PRODUCTION_STEPS["production-bf16-dp-overlap-pp2-chunks2"],
                            PRODUCTION_STEPS["production-moe-ep2-pp2"], after_loop)]

@@ -94,6 +94,11 @@ def _pinned_at_dp_points(job: EmulatedJob, outcome) -> None:
          channel_latency_ms=5.0, task_ms=(0.2, 1.0), seed=105),
     dict(pp=4, chunks=2, microbatches=8, hint="bf", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3,
          straggler=6.0, channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=108, buffer_limit=4),
+    # two of dp_stress_jobs(seed=1) where rounds-without-epoch-order (tasks pinned, rounds not) deadlocked
+    dict(pp=4, chunks=2, microbatches=8, hint="bfw", overlap_grad_reduce=True, buckets=3, straggler=6.0,
+         channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=1008),
+    dict(pp=4, chunks=3, microbatches=8, hint="bfw", overlap_grad_reduce=True, overlap_param_gather=True, buckets=3,
+         straggler=6.0, host_jitter_ms=1.0, channel_latency_ms=10.0, task_ms=(0.2, 3.0), seed=1082),
 ])
 def test_production_jobs_under_the_epoch_rule_complete_with_dp_points_pinned(kwargs):
     job = EmulatedJob(**{"dp": 2, "straggler": 3.0, "host_jitter_ms": 3.0, "quiet_s": 3.0, "seed": 3,
