@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if runs_on_cpu(args):
-        from .dist.env import hide_cuda
+        from .launch.env import hide_cuda
 
         hide_cuda()  # on a GPU host too: before torch first counts devices (it keeps the count)
     with quiet.for_entry_point(announce=args.command in _RUNS_MEGATRON):

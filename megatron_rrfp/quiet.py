@@ -37,7 +37,7 @@ _WARNINGS = (  # (message regex, category, module regex of the warning's origin)
     ("", DeprecationWarning, _MEGATRON),
     ("", FutureWarning, _MEGATRON),
     # torch 2.13's deprecation of the names megatron-core's timers, DDP and TP layers call (attributed to torch's
-    # c10d_logger wrapper, not to megatron); the project's own collectives use the new names (dist/collectives.py)
+    # c10d_logger wrapper, not to megatron); the project's own collectives use the new names (ranks.py)
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning,
      r"torch\.distributed\."),
 )

@@ -337,7 +337,7 @@ def _run_with_torch_launcher(config: BenchConfig, world: int, progress_path: str
     import subprocess
     import tempfile
 
-    from ..dist.env import for_gloo_ranks
+    from ..launch.env import for_gloo_ranks
     from ..launch.torchrun import run_module_subprocess
 
     run_dir = tempfile.mkdtemp(prefix="rrfp-bench-")

@@ -13,17 +13,18 @@
     python -m megatron_rrfp.launch SCRIPT ...   an unmodified Megatron-LM entry script in each rank that
                                                 torchrun or srun started (``megatron_lm.py``, ``__main__.py``)
 
-A rank that torchrun or srun started itself finds its place with ``dist.env.detect()`` and joins with
-``dist.env.init_process_group``; ``dist/env.py`` also holds the environment every launch here shares:
+A rank that torchrun or srun started itself finds its place with ``env.detect()`` and joins with
+``env.init_process_group``; ``env.py`` also holds the environment every launch here shares:
 gloo over loopback (``gloo_on_loopback``) and, for a CPU run on a GPU host, no visible CUDA device
 (``hide_cuda``), set before anything counts CUDA devices. Importing this package imports no torch.
+What ranks share once they run (one-write lines, the max over ranks) is ``megatron_rrfp/ranks.py``.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
 
-from ..dist.env import HIDDEN_CUDA
+from .env import HIDDEN_CUDA
 
 __all__ = ["run_module"]
 

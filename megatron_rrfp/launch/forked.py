@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, Optional
 
-from ..dist.env import LOOPBACK, die_with_parent
+from .env import LOOPBACK, die_with_parent
 from .torchrun import exit_status, prepare_launching_process, report_failures
 
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL this much later (torch's launcher's default)

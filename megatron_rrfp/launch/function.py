@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 
-from ..dist.env import HIDDEN_CUDA, LOOPBACK, die_with_parent, for_gloo_ranks, hide_cuda
+from .env import HIDDEN_CUDA, LOOPBACK, die_with_parent, for_gloo_ranks, hide_cuda
 
 __all__ = ["DistributedTestFailure", "RankOutcome", "launch", "start_fork_server"]
 

@@ -84,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(conflict)
 
     if opts.cpu:
-        from ..dist.env import hide_cuda
+        from .env import hide_cuda
 
         hide_cuda()  # before megatron (or anything) asks torch for the device count
         from ..cpu import enable_cpu_training

@@ -21,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from ..dist.env import gloo_on_loopback, print_line
+from ..ranks import print_line
+from .env import gloo_on_loopback
 
 MONITOR_INTERVAL_S = 0.1  # how often the agent checks its workers (torchrun's default)
 

@@ -30,10 +30,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dist.env import print_line
 from ..policy.arbiter import ArbiterConfig
 from ..policy.budget import AUTO_MARGIN, fit_to_budget, is_auto, megatron_peak_in_flight, starting_limit
 from ..policy.topology import Topology
+from ..ranks import print_line
 from .config import RRFPConfig
 from .state import ScheduleState
 

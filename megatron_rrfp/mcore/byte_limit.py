@@ -29,10 +29,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dist.env import print_line
 from ..policy.arbiter import ArbiterConfig
 from ..policy.membytes import ByteBudget, StageBytes, calibrated_budgets, first_call_budgets, megatron_peak_bytes
 from ..policy.topology import Topology
+from ..ranks import print_line
 from .state import ScheduleState
 
 

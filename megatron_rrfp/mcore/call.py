@@ -21,11 +21,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..dist.env import print_line
 from ..policy.arbiter import Arbiter
 from ..policy.epochs import EpochBook, timeline_for
 from ..policy.plan import Plan
 from ..policy.topology import Topology
+from ..ranks import print_line
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors

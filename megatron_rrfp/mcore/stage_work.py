@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..dist.env import print_line
 from ..policy.actions import Task
 from ..policy.topology import Topology
+from ..ranks import print_line
 from . import compat
 from .grad_sync import GradSyncController
 

@@ -40,9 +40,9 @@ import os
 import sys
 from typing import Optional
 
-from ..dist.env import print_line
 from ..mcore import compat
 from ..mcore.config import RRFPConfig, defaults, set_defaults
+from ..ranks import print_line
 from . import layout
 from .flags import PIPELINE_SCHEDULES, add_rrfp_arguments, validate_rrfp_arguments
 from .training_loop import HookOptions, MegatronLMHooks

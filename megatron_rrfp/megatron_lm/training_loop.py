@@ -53,8 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
-from ..dist.env import print_line
 from ..goodput.recorder import extend_timer_logging, open_recorder, peak_memory_line, publish_to_timers
+from ..ranks import print_line
 from ..trace.merge import write_merged_trace
 from . import layout, resume
 from .inprocess import ArgsOnReentry

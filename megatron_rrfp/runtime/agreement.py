@@ -49,8 +49,8 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_gather_single
 from ..policy.actions import Task, all_tasks
+from ..ranks import all_gather_single
 
 _HEAD_WORDS = 3  # dispatched count, rolling hash of the dispatched sequence, post time (ns)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..dist.env import print_line
+from ..ranks import print_line
 from .result import Result
 
 PREFIX = "rrfp-selfcheck"

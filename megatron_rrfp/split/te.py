@@ -233,7 +233,7 @@ class TeSplit:
     def _regather_inputs(self, store, added: int) -> None:
         import torch.distributed as dist
 
-        from ..dist.collectives import all_gather_single
+        from ..ranks import all_gather_single
 
         for tensor_list, _ in list(store.context.queue)[:added]:
             group = self._regather.pop(id(tensor_list), None)

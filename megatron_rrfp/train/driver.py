@@ -54,7 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..dist import env as distenv
+from ..launch import env as launch_env
+from ..ranks import max_over_ranks, print_line
 from .config import TrainConfig, add_arguments, check_layout, from_args
 from .signals import JobTerminated, Signals
 
@@ -144,10 +145,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 def setup(cfg: TrainConfig):
     """Process group, megatron parallel state, seeds; returns (device, dp_size)."""
     if cfg.cpu:
-        distenv.hide_cuda()  # a rank torchrun / srun started: before anything counts CUDA devices
+        launch_env.hide_cuda()  # a rank torchrun / srun started: before anything counts CUDA devices
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        distenv.die_with_parent()  # a rank of torch's launcher: no orphan if the agent is killed (forked ranks set it)
-    env = distenv.detect()
+        launch_env.die_with_parent()  # a rank of torch's launcher: no orphan if the agent dies (forked ranks set it)
+    env = launch_env.detect()
     dp = check_layout(cfg, env.world_size)
     from ..quiet import announce
 
@@ -158,7 +159,7 @@ def setup(cfg: TrainConfig):
     import torch
     from megatron.core import parallel_state
 
-    device = distenv.init_process_group(env, cpu=cfg.cpu, timeout_s=60 * cfg.distributed_timeout_minutes)
+    device = launch_env.init_process_group(env, cpu=cfg.cpu, timeout_s=60 * cfg.distributed_timeout_minutes)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                                              pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                                              virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
@@ -355,22 +356,22 @@ def loop(cfg: TrainConfig, run: Run, recorder, metrics, signals: Signals) -> Non
         extra = ()
         if run.iteration % cfg.log_interval == 0 or run.iteration == cfg.train_iters:
             # collective: every rank logs at the same iterations
-            peak, in_flight = distenv.max_over_ranks(window_memory)
+            peak, in_flight = max_over_ranks(window_memory)
             extra = (LogField("peak activations (MB)", f"{peak / 2**20:.2f}"),
                      LogField("forwards in flight", f"{in_flight:.0f}"))
             window_memory = [0, 0]
         line = metrics.iteration(iteration=run.iteration, consumed_samples=run.consumed_samples, seconds=seconds,
                                  loss=step.loss, lr=step.lr, grad_norm=step.grad_norm, extra=extra)
         if line is not None:
-            distenv.print_line(line)
+            print_line(line)
             if metrics.timers_report():
-                distenv.print_line(metrics.timers_report())
+                print_line(metrics.timers_report())
         if traces is not None and trace_due(run.iteration, log_interval=cfg.log_interval,
                                             last_iteration=cfg.train_iters):
             written = traces.write(run.iteration, report(), metadata={"schedule": "rrfp", "hint": cfg.rrfp_hint,
                                                                            "buffer_limit": cfg.rrfp_buffer_limit})
             if written and run.iteration == cfg.train_iters:
-                distenv.print_line(f"trace of the last iteration: {written}")
+                print_line(f"trace of the last iteration: {written}")
         at_end = run.iteration == cfg.train_iters
         signals.raise_if_expired()
         stop = signals.exit_requested() and not at_end  # collective with --exit-signal-handler
@@ -428,10 +429,10 @@ def _ledger_note(cfg: TrainConfig, recorder) -> None:
         return
     path = cfg.rrfp_goodput_ledger
     if writer.healthy and writer.dropped == 0:
-        distenv.print_line(f"goodput ledger: {path}  (report: megatron-rrfp goodput {path})")
+        print_line(f"goodput ledger: {path}  (report: megatron-rrfp goodput {path})")
     else:
         state = "not written" if not writer.healthy else f"{writer.dropped} events lost"
-        distenv.print_line(f"goodput ledger {path}: {state} (see the LedgerWarning above); training was not affected")
+        print_line(f"goodput ledger {path}: {state} (see the LedgerWarning above); training was not affected")
 
 
 # --------------------------------------------------------------------------- close
@@ -461,7 +462,7 @@ def _rank() -> int:
 
 def _rank0_print(message: str) -> None:
     if _rank() == 0:
-        distenv.print_line(message)
+        print_line(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -491,7 +492,7 @@ def run_and_report(args: argparse.Namespace) -> int:
 
         return report_error("megatron-rrfp train", exc)
     except JobTerminated as exc:  # recorded in the ledger already; exit as SIGTERM would
-        distenv.print_line(f"megatron-rrfp train: {exc}", file=sys.stderr)
+        print_line(f"megatron-rrfp train: {exc}", file=sys.stderr)
         _exit_now(128 + signal.SIGTERM)
     except Exception:  # noqa: BLE001 - a failed rank: recorded already (train()), reported here
         traceback.print_exc()

@@ -202,7 +202,7 @@ def peak_memory_bytes() -> float:
     """Collective (every rank): the largest peak memory of any rank (see the module doc)."""
     import torch
 
-    from ..dist.env import max_over_ranks
+    from ..ranks import max_over_ranks
 
     if _on_gpu():
         mine = float(torch.cuda.max_memory_allocated())

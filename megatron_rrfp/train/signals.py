@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Optional
 
-from ..dist.env import print_line
+from ..ranks import print_line
 
 GRACE_S = 2.0
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -73,7 +73,7 @@ class Signals:
         """COLLECTIVE with an exit signal configured: whether any rank got it (one all-reduce)."""
         if self.exit_signal is None:
             return False
-        from ..dist.env import max_over_ranks
+        from ..ranks import max_over_ranks
 
         return max_over_ranks([float(self.exit_signal_received)])[0] > 0
 

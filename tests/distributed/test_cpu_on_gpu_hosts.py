@@ -12,7 +12,7 @@ import os
 import pytest
 
 from megatron_rrfp import cli
-from megatron_rrfp.dist.env import cuda_hidden
+from megatron_rrfp.launch.env import cuda_hidden
 from megatron_rrfp.launch.function import launch
 
 

@@ -242,7 +242,7 @@ def test_indexed_datasets_are_read_through_megatron_cores_gpt_dataset(tmp_path, 
 
 
 def test_rank_comes_from_torchrun_then_slurm_then_defaults_to_one_process():
-    from megatron_rrfp.dist.env import detect
+    from megatron_rrfp.launch.env import detect
 
     torchrun = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "6000",
                        "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
@@ -260,7 +260,7 @@ def test_dp2_pp2_interleaved_production_flags_same_losses_as_1f1b():
     layer per chunk): --overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer.
     The default policy (B/W split active: no fallback line) trains like Megatron's interleaved 1F1B,
     with the DP communication in the task loop (CPU needs no rule) and out of it (--rrfp-dp-overlap
-    after-loop: all-gathers before the loop, reductions after it; what CUDA takes from PP 4)."""
+    after-loop: all-gathers before the loop, reductions after it)."""
     layout = [*TINY, "--nproc", "4", "--train-iters", "4", "--num-layers", "4",
               "--virtual-pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
               "--use-distributed-optimizer"]

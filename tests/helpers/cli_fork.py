@@ -133,7 +133,7 @@ def _command_main(argv: list[str], env: dict, cwd: str, stdout_path: str, stderr
     import sys
     import warnings
 
-    from megatron_rrfp.dist.env import die_with_parent
+    from megatron_rrfp.launch.env import die_with_parent
     from megatron_rrfp.launch.forked import exit_as_the_interpreter_would
 
     def run() -> Optional[int]:

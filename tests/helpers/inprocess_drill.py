@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))  # the tree's megatron, as launch does
     if opts.cpu:
         from megatron_rrfp.cpu import enable_cpu_training
-        from megatron_rrfp.dist.env import hide_cuda
+        from megatron_rrfp.launch.env import hide_cuda
 
         hide_cuda()
         enable_cpu_training()

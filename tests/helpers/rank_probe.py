@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_rrfp.dist.env import print_line
+from megatron_rrfp.ranks import print_line
 
 LINES = 3000
 

@@ -108,8 +108,12 @@ def test_layers_only_import_downwards():
         # starting ranks knows no schedule: it runs what it is given (a function, a module, a Megatron-LM script)
         "megatron_rrfp.launch": ("policy", "sim", "runtime", "mcore", "split", "bench", "train", "goodput", "trace",
                                  "selfcheck"),
-        "megatron_rrfp.dist": ("policy", "sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train",
-                               "goodput", "trace", "selfcheck", "launch", "cpu"),  # below everything that starts ranks
+        # what ranks share once they run (one-write lines, the max over ranks), and where a rank finds its place
+        # in the job: below everything that starts or runs ranks
+        "megatron_rrfp.ranks": ("policy", "sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train",
+                                "goodput", "trace", "selfcheck", "launch", "cpu"),
+        "megatron_rrfp.launch.env": ("policy", "sim", "runtime", "mcore", "split", "megatron_lm", "bench", "train",
+                                     "goodput", "trace", "selfcheck", "launch", "cpu", "ranks"),
     }
     for module, targets in _graph().items():
         for layer, banned in forbidden.items():
@@ -163,7 +167,7 @@ def test_test_code_and_research_drivers_live_outside_the_package():
     assert runnable <= {"cli.py", "train/driver.py", "train/data.py", "bench/rank.py"}, runnable
 
 
-# What starts processes or ranks; only launch/ may (dist/env.py asks scontrol for SLURM's host names,
+# What starts processes or ranks; only launch/ may (launch/env.py asks scontrol for SLURM's host names,
 # the self-check probes the GPU in a child, both with subprocess.run).
 STARTS_RANKS = ("multiprocessing", "torch.distributed.run", "torch.distributed.elastic", "os.fork", "subprocess.Popen")
 
@@ -194,7 +198,7 @@ def test_ranks_are_started_only_in_launch_and_each_name_says_what_it_is():
     assert not outside, outside
     launch = {p.name for p in (PACKAGE / "launch").glob("*.py")}
     assert {"__init__.py", "__main__.py", "function.py", "forked.py", "torchrun.py", "megatron_lm.py"} <= launch
-    assert not (PACKAGE / "dist" / "launcher.py").exists() and not (PACKAGE / "launch.py").exists()
+    assert not (PACKAGE / "dist").exists() and not (PACKAGE / "launch.py").exists()  # rendezvous is launch/env.py
     doc = (PACKAGE / "launch" / "__init__.py").read_text(encoding="utf-8")
     assert all(f"``{name}``" in doc or f"{name.removesuffix('.py')}." in doc
                for name in launch - {"__init__.py", "rank_filters.py"}), doc
@@ -241,7 +245,7 @@ MAY_SLEEP = {
     "selfcheck": "the self-check's polling and its drifting stand-in tasks", "bench": "emulated device time",
 }
 MAY_READ_ENVIRONMENT = {
-    "dist": "torch.distributed's rendezvous variables", "launch": "the ranks' environment and rendezvous variables",
+    "launch": "the ranks' environment and torch.distributed's rendezvous variables",
     "megatron_lm": "Megatron-LM's launch and CUDA settings",
     "train": "the launcher's rank variables", "selfcheck": "the self-check's launch",
     "bench": "temporary paths",

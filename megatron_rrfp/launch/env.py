@@ -7,7 +7,7 @@ The rank comes from, in order:
       is the first host of SLURM_JOB_NODELIST (``scontrol show hostnames``) unless
       MASTER_ADDR is set, the port MASTER_PORT or 20000 + job id mod 20000;
   nothing: a single process.
-(Local launches set the torchrun variables; how ranks get started is ``megatron_rrfp/launch/``.)
+(Local launches set the torchrun variables; the other modules of this folder start the ranks.)
 """
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ import datetime
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from typing import Optional
 
 LOOPBACK = "127.0.0.1"
 """Where local ranks meet: the launching process's rendezvous store, the ranks' MASTER_ADDR."""
@@ -53,16 +52,6 @@ def for_gloo_ranks(environ: MutableMapping[str, str]) -> None:
 def cuda_hidden(environ: Mapping[str, str] = os.environ) -> bool:
     """True where CUDA_VISIBLE_DEVICES hides every device (``hide_cuda``, or a user's empty value)."""
     return environ.get("CUDA_VISIBLE_DEVICES") == ""
-
-
-def print_line(text: str, file: Optional[TextIO] = None) -> None:
-    """``print(text, flush=True)`` in one write. Every rank shares the launcher's stdout and
-    stderr; with ``PYTHONUNBUFFERED`` / ``python -u`` print writes the text and its newline
-    separately, and another rank's line landing in between breaks both lines for whoever
-    reads them (a log parser, Megatron-LM's own tools). A pipe write up to 4 KiB is atomic."""
-    stream = sys.stdout if file is None else file
-    stream.write(text + "\n")
-    stream.flush()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,18 +129,3 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
-
-
-def max_over_ranks(values: list[float]) -> list[float]:
-    """COLLECTIVE over the default group (every rank, same call): the element-wise maximum of
-    ``values`` across ranks, in one all-reduce (on the current GPU under NCCL); ``values``
-    itself without a process group."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [float(v) for v in values]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
