@@ -204,7 +204,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                       _transport_for(options, place.dp_mode), state=state)
     options = with_combined_steps(options, place.config, inputs.models, inputs.forward_step_func,
                                   forward_only=inputs.forward_only)  # pairs F and B; never splits them
-    options = with_split_capability(options, inputs.models,
+    options = with_split_capability(options, inputs.models, state=state,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
     where = dict(models=inputs.models, topology=place.topology, num_microbatches=inputs.num_microbatches,
                  stage=place.stage, forward_only=inputs.forward_only, device=place.device, pp_group=place.groups.pp,

@@ -12,7 +12,6 @@ layer, each one's all-to-alls on the communication stream beside the other's com
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -23,6 +22,7 @@ from ..policy.topology import Topology
 from ..ranks import print_line
 from . import compat
 from .grad_sync import GradSyncController
+from .state import ScheduleState
 
 
 class MicrobatchFeed:
@@ -236,19 +236,18 @@ def weight_grad_store(models, memory=None, *, hint: str = ""):
     return wgrad.WeightGradStore(memory=memory, models=models)
 
 
-_SPLIT_BLOCKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first model chunk -> some stage can't
-
-
-def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]):
+def with_split_capability(options, models, *, all_stages: Callable[[bool], bool],
+                          state: Optional[ScheduleState] = None):
     """``options`` (an RRFPConfig) for these models: the ``default`` hint splits the backward
     only where ``wgrad`` can defer the weight gradients of every stage's model
     (``deferral_blockers``; ``all_stages(ok)`` is a collective AND over the pipeline, run
-    once per model); elsewhere it resolves to its unsplit form and a rank that cannot split
-    says why, once."""
+    once per model and ``state``, the process's ``ScheduleState`` by default, keeps the
+    answer); elsewhere it resolves to its unsplit form and a rank that cannot split says why, once."""
     arbiter = options.arbiter
     if arbiter.parsed_hint.name != "default" or not arbiter.split_backward_ok:
         return options
-    if models[0] not in _SPLIT_BLOCKERS:
+    blocked = (state or ScheduleState.get()).split_blocked
+    if models[0] not in blocked:
         from ..split import megatron_linear as wgrad
 
         blockers = wgrad.deferral_blockers(models)
@@ -257,8 +256,8 @@ def with_split_capability(options, models, *, all_stages: Callable[[bool], bool]
             cause = ("with this megatron-core release" if blockers[0] == wgrad.split_self_check()
                      else "for this model")  # the release's own linear failed the self-check, or this model's layers
             print_line(f"megatron-rrfp: the default policy runs without the B/W split {cause}: {blockers[0]}{more}")
-        _SPLIT_BLOCKERS[models[0]] = not all_stages(not blockers)
-    if not _SPLIT_BLOCKERS[models[0]]:
+        blocked[models[0]] = not all_stages(not blockers)
+    if not blocked[models[0]]:
         return options
     return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, split_backward_ok=False))
 

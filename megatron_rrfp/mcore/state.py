@@ -12,7 +12,8 @@ life cycle:
   sequence-packing schedulers change M between iterations) has its own key and never
   uses another M's figures;
 * **reused** by every later call: the session (process groups, transport threads) while
-  its ranks, device and transport fit; each key's calibration;
+  its ranks, device and transport fit; each key's calibration; whether each model's pipeline
+  can split the backward into B and W (``split_blocked``, asked once per model, a collective);
 * **discarded on failure** (``discard()``): a failed call closes the session — messages of
   its iteration may still be on the wire — and the next call builds a new one; the
   completed calibrations stay (they were measured by calls that completed on every rank,
@@ -26,9 +27,19 @@ life cycle:
 
 Every rank of a pipeline calls the schedule the same number of times with the same M, so
 each calibration's collective happens in the same call everywhere.
+
+Outside it, by design (the B/W split, ``split/``, may import nothing of this layer but
+``compat``), the process keeps only: ``split/store.py``'s ``_active`` (the store and key of
+the B being deferred, set by ``WeightGradStore.deferring`` and cleared when it exits:
+autograd's threads read it) and ``_FLAGGED`` (the parameters that B's placeholders flagged,
+emptied when it exits); ``split/megatron_linear.py``'s ``_SELF_CHECK`` (the split self-check's
+verdict on the installed megatron-core, found once, never reset); weakly keyed notes on
+parameters and modules (``_PREHOOKED``, ``_NAMES``, ``_DDP_OF``, ``_FORWARD_HOOKED``), which
+go with the model; and ``session.py``'s ``_EXIT_HOOKED`` (the exit hook, registered once).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, ClassVar, Optional
 
 import torch.distributed as dist
@@ -48,6 +59,8 @@ class ScheduleState:
         self.last_report: Any = None  # the last completed call's IterationReport
         self.dp_modes_said: set[int] = set()  # models whose DP-communication mode rank 0 has named
         self.ranks_on_host: Optional[int] = None  # ranks of the world on this host (a collective, asked once)
+        # first model chunk -> True where some stage of its pipeline cannot split B and W (stage_work)
+        self.split_blocked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def get(cls) -> ScheduleState:
