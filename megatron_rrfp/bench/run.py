@@ -20,7 +20,6 @@ counted around its own tasks, bench/around_schedules.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -362,10 +361,10 @@ def _run_with_torch_launcher(config: BenchConfig, world: int, progress_path: str
 
 def _write_outputs(config: BenchConfig, report: dict, per_rank: list[dict]) -> None:
     from ..sim.curve import plot_tradeoff
+    from ..sim.study import save_json
     from ..trace import Span, plot_timelines, write_chrome_trace
 
-    with open(os.path.join(config.out_dir, "bench.json"), "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
+    save_json(report, os.path.join(config.out_dir, "bench.json"))
     timelines = {}
     for bench_run, run in zip(config.runs(), report["runs"]):
         key = bench_run.key

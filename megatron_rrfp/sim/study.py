@@ -249,6 +249,7 @@ def write_timeline(config: StudyConfig, path: str, *, trace_path: Optional[str] 
 
 
 def save_json(report: dict, path: str) -> None:
+    """A report as indented JSON at ``path`` (its folder made): ``simulate --json`` and ``bench``'s bench.json."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
