@@ -48,7 +48,10 @@ from __future__ import annotations
 import faulthandler
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
 
+from ..options import add_options, from_namespace, option
 from .device import step_environment, step_one_context, step_queue_serialization
 from .equivalence import GPT_STEPS
 from .loopback import step_loopback, step_stage_memory
@@ -79,16 +82,23 @@ STEP_FUNCTIONS: dict[str, Callable] = {
 }
 
 
+@dataclass(kw_only=True, slots=True)
+class SelfCheckOptions:
+    """``scripts/gpu_selfcheck.py``'s command line."""
+
+    steps: str = option(",".join(STEPS), f"comma-separated subset of: {', '.join(STEPS)}")
+    step_timeout: float = option(600.0, "seconds before a step counts as hung")
+    stall_timeout: float = option(60.0, "RRFP's own stall timeout in the steps")
+    seed: int = option(0, "seed of the steps' models, data and delays")
+    json: Optional[str] = option(None, "write the results (rank 0)", metavar="PATH")
+
+
 def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of: {', '.join(STEPS)}")
-    parser.add_argument("--step-timeout", type=float, default=600.0, help="seconds before a step counts as hung")
-    parser.add_argument("--stall-timeout", type=float, default=60.0, help="RRFP's own stall timeout in the steps")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="write the results (rank 0)")
-    args = parser.parse_args(argv)
+    add_options(parser, SelfCheckOptions)
+    args = from_namespace(SelfCheckOptions, parser.parse_args(argv))
     steps = [s for s in args.steps.split(",") if s]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:

@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
+
+from ..options import add_options, from_namespace, option
 
 __all__ = ["IndexedTokens", "SyntheticTokens", "check_indexed_dataset", "gpt_batch", "synthetic_tokens",
            "write_indexed_dataset"]
@@ -166,16 +169,22 @@ class IndexedTokens(_IndexedSource):
         return window
 
 
+@dataclass(kw_only=True, slots=True)
+class DataOptions:
+    """``python -m megatron_rrfp.train.data``'s command line."""
+
+    prefix: str = option(None, "output prefix, e.g. data/text_document", positional=True)
+    num_tokens: int = option(100_000, "tokens to write, in whole documents")
+    vocab_size: int = option(256, "token ids stay below this")
+    seq_length: int = option(64, "length of each synthetic document (a progression)")
+    seed: int = option(1234, "seed of the documents")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_rrfp.train.data",
                                      description="Write a synthetic Megatron indexed dataset (PREFIX.bin, PREFIX.idx) "
                                                  "for --data-path PREFIX.")
-    parser.add_argument("prefix", help="output prefix, e.g. data/text_document")
-    parser.add_argument("--num-tokens", type=int, default=100_000)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--seq-length", type=int, default=64, help="length of each synthetic document (a progression)")
-    parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args(argv)
+    args = from_namespace(DataOptions, add_options(parser, DataOptions).parse_args(argv))
     pieces = -(-args.num_tokens // args.seq_length)
     documents = [synthetic_tokens(i, args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
                  for i in range(pieces)]
