@@ -39,8 +39,10 @@ def test_the_table_is_removed_on_any_exit(tmp_path, monkeypatch, ending, expecte
     monkeypatch.setattr("megatron_rrfp.launch.function.launch", _launch_that(ending))
     config = bench_run.BenchConfig(out_dir=str(tmp_path))
     # the bench takes SIGTERM / SIGHUP only where they are at their defaults (a caller's own handler
-    # wins); start from there, whatever an earlier test in this worker process left installed
+    # wins), and Ctrl-C is Python's KeyboardInterrupt; start from there, whatever an earlier test in
+    # this worker process left installed
     previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
         with pytest.raises(expected) as info:
