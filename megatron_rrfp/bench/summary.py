@@ -118,8 +118,6 @@ def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) 
     choice of ``mcore/dp_overlap.py`` as it runs: after-loop as DP communication at the end, the
     epoch rule through ``sim/dp_epochs.py`` on the timeline the executor uses."""
     from ..mcore.dp_overlap import AFTER_LOOP, EPOCHS, dp_communication_of_layout
-    from ..policy.epochs import timeline_for
-    from ..policy.plan import Plan
     from ..sim.dp_comm import DPComm, iteration_time
     from ..sim.dp_epochs import run_with_epochs
     from ..sim.simulator import simulate
@@ -128,10 +126,8 @@ def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) 
         overlap=config.overlap_grad_reduce or config.overlap_param_gather, num_chunks=topology.num_chunks,
         device_type=config.device, data_parallel_size=config.data_parallel, choice=config.dp_overlap)
     m = config.num_microbatches
-    if mode == EPOCHS:
-        split = Plan.build(arbiter_config, topology, m).split_backward
-        trace = run_with_epochs(arbiter_config, topology, m, realization,
-                                timeline_for(arbiter_config, topology, m, split)).trace
+    if mode == EPOCHS:  # on the timeline the executor uses (run_with_epochs' default)
+        trace = run_with_epochs(arbiter_config, topology, m, realization).trace
     else:
         trace = simulate(arbiter_config, topology, m, realization, record_trace=True).trace
     comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,

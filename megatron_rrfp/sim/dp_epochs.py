@@ -23,7 +23,7 @@ import heapq
 from ..policy.actions import Kind, Task
 from ..policy.arbiter import ArbiterConfig
 from ..policy.dryrun import DeadlockError, DryRun, _Pipeline, _task_time
-from ..policy.epochs import DPPoint, EpochBook, Timeline, megatron_orders, policy_orders, static_timeline
+from ..policy.epochs import DPPoint, EpochBook, Timeline, megatron_orders, policy_orders, static_timeline, timeline_for
 from ..policy.epochs import choose as choose_under_rule
 from ..policy.plan import Plan
 from ..policy.topology import Topology
@@ -77,10 +77,11 @@ class _EpochPipeline(_Pipeline):
 
 def run_with_epochs(config: ArbiterConfig, topology: Topology, num_microbatches: int, realization: Realization,
                     timeline: Timeline | None = None) -> DryRun:
-    """One replica's iteration under the rule (module docstring), with its trace."""
+    """One replica's iteration under the rule (module docstring), with its trace; ``timeline``
+    defaults to the one the executor uses (``policy.epochs.timeline_for``)."""
     plan = Plan.build(config, topology, num_microbatches)
     split = plan.split_backward
-    timeline = timeline or static_timeline(topology, num_microbatches, split)
+    timeline = timeline or timeline_for(config, topology, num_microbatches, split)
     arbiters = plan.arbiters()
 
     def latency(stage: int, task: Task) -> float:
