@@ -154,14 +154,10 @@ def _close_at_exit() -> None:
     """Close the session when the interpreter exits (Megatron-LM's scripts just return): the rounds
     transport's host channel keeps a gloo receive posted between steps, and a thread still blocked
     in one while the process exits aborts it ("terminate called without an active exception",
-    exit -6, after a complete run). Closing sends each peer a BYE record, which ends its receive."""
-    global _EXIT_HOOKED
-    if not _EXIT_HOOKED:
-        atexit.register(shutdown)
-        _EXIT_HOOKED = True
-
-
-_EXIT_HOOKED = False
+    exit -6, after a complete run). Closing sends each peer a BYE record, which ends its receive.
+    Registered once however many sessions the process makes (``unregister`` drops an earlier one)."""
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
 
 
 def discard(timeout: float = 0.5) -> None:

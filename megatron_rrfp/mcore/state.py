@@ -35,7 +35,7 @@ autograd's threads read it) and ``_FLAGGED`` (the parameters that B's placeholde
 emptied when it exits); ``split/megatron_linear.py``'s ``_SELF_CHECK`` (the split self-check's
 verdict on the installed megatron-core, found once, never reset); weakly keyed notes on
 parameters and modules (``_PREHOOKED``, ``_NAMES``, ``_DDP_OF``, ``_FORWARD_HOOKED``), which
-go with the model; and ``session.py``'s ``_EXIT_HOOKED`` (the exit hook, registered once).
+go with the model.
 """
 from __future__ import annotations
 
