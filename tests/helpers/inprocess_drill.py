@@ -4,11 +4,13 @@
 
 Configured by the environment (the script's command line stays Megatron-LM's):
 ``RRFP_DRILL_RANK`` (global rank that fails), ``RRFP_DRILL_ITERATION`` (the 1-based iteration Megatron
-logs), ``RRFP_DRILL_MICROBATCH`` (the forward call within that iteration, default 1: mid-iteration),
-``RRFP_DRILL_KIND``: ``raise`` (a RuntimeError from the forward step), ``exit`` (the process exits at
-once, ``os._exit(3)``) or ``hang`` (the forward step never returns; Python keeps running, so an
-asynchronous exception can still end it). The fault fires once per process: after an in-process
-restart the same iteration runs through. Each firing is printed as ``rrfp-drill: fault ...``.
+logs; several comma-separated: one fault at each), ``RRFP_DRILL_MICROBATCH`` (the forward call within that
+iteration, default 1: mid-iteration), ``RRFP_DRILL_KIND``: ``raise`` (a RuntimeError from the forward
+step), ``exit`` (the process exits at once, ``os._exit(3)``) or ``hang`` (the forward step never returns;
+Python keeps running, so an asynchronous exception can still end it). Each fault fires once per process:
+after an in-process restart the same iteration runs through. ``RRFP_DRILL_ONCE_FILE``: a file that records
+the iterations already faulted, so a fault also fires once per job across new processes (torchrun's
+restarts, a relaunch). Each firing is printed as ``rrfp-drill: fault ...``.
 ``RRFP_DRILL_DUMP_S``: every rank dumps all its threads' stacks that many seconds into the fault's
 iteration (where a restart spends its time).
 
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 
-_fired = False
+_fired: set = set()  # the iterations this process already faulted
 _world: dict = {"state": None, "threads": set()}  # the schedule state and rrfp threads seen in this world
 
 
@@ -53,13 +55,38 @@ def _iteration() -> int:
     return int(get_args().curr_iteration) + 1
 
 
+def _fault_iterations() -> set:
+    return {int(i) for i in os.environ["RRFP_DRILL_ITERATION"].split(",") if i.strip()}
+
+
+def _due(iteration: int) -> bool:
+    """A fault at ``iteration`` that neither this process nor (with RRFP_DRILL_ONCE_FILE) the job fired."""
+    if iteration not in _fault_iterations() or iteration in _fired:
+        return False
+    once = os.environ.get("RRFP_DRILL_ONCE_FILE")
+    if once and os.path.exists(once):
+        with open(once) as f:
+            if str(iteration) in f.read().split():
+                return False
+    return True
+
+
+def _record(iteration: int) -> None:
+    _fired.add(iteration)
+    once = os.environ.get("RRFP_DRILL_ONCE_FILE")
+    if once:
+        with open(once, "a") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def _faulty(forward_step_func, rank: int, kind: str, microbatch: int, calls: dict):
     def forward_step_func_with_fault(*args, **kwargs):
-        global _fired
         iteration = _iteration()
         calls[iteration] = calls.get(iteration, 0) + 1
-        if not _fired and iteration == int(os.environ["RRFP_DRILL_ITERATION"]) and calls[iteration] == microbatch:
-            _fired = True
+        if calls[iteration] == microbatch and _due(iteration):
+            _record(iteration)
             print(f"rrfp-drill: fault {kind} on rank {rank} at iteration {iteration}, forward {microbatch}",
                   flush=True)
             if kind == "exit":
@@ -87,8 +114,8 @@ def install_drill() -> None:
     def forward_step(forward_step_func, *args, **kwargs):
         rank = dist.get_rank()
         _watch_world(rank)
-        if os.environ.get("RRFP_DRILL_DUMP_S") and not calls.get("armed") and _iteration() == int(
-                os.environ["RRFP_DRILL_ITERATION"]):  # every rank's stacks that long into the fault's iteration
+        if os.environ.get("RRFP_DRILL_DUMP_S") and not calls.get("armed") and _iteration() in _fault_iterations():
+            # every rank's stacks that long into the fault's iteration
             import faulthandler
 
             calls["armed"] = True
