@@ -1,6 +1,7 @@
 """Lower bounds on the makespan of one iteration (no schedule can beat them)."""
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
@@ -46,9 +47,14 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
     releases later, when split), and all of it happens after head_s. Also each microbatch's
     round trip: every F, b and latency on its way out and back.
 
-      LB = max(max_s LB_s, max_s mem_s, max_j round_trip_j)
+      LB = max(max_s JPS_s, max_s mem_s, max_j round_trip_j)
 
-    Message latencies are charged at their sampled values (a FIFO link can only add).
+    JPS_s goes further than LB_s (it is never below it): each task of stage s gets a head r (its
+    chain of predecessors: no order starts it earlier) and a tail q (its chain of successors: the
+    iteration lasts at least that long after it ends), and JPS_s is the optimum of stage s alone
+    as a one-machine problem that may even preempt (``_preemptive_bound``): any schedule, cut
+    to stage s, is one of its schedules, so none beats it. Message latencies are charged at
+    their sampled values (a FIFO link can only add).
     """
     pp, chunks = topology.num_stages, topology.num_chunks
     stages = pp * chunks
@@ -77,6 +83,8 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
     hold = forward_after + latency_after + returns_above
 
     best = float(np.max(arrive[-1] + hold[-1] + input_grad[-1] + back[-1]))  # one microbatch's round trip
+    heads, tails = _heads_and_tails(forward, input_grad, backward - input_grad, arrive, sent_forward, sent_backward)
+    lengths = (forward, input_grad, backward - input_grad)
     for s in range(pp):
         mine = [c * pp + s for c in range(chunks)]
         head = float(np.min(arrive[s]))
@@ -84,8 +92,56 @@ def lower_bound(realization: Realization, topology: Topology, num_microbatches: 
         crit = float(forward[mine].sum() + input_grad[mine].sum())
         tail = float(np.min(back[mine]))
         best = max(best, head + max(work, crit + tail))
+        kinds = range(3 if split_backward else 2)  # F, B (input gradient or whole) and W
+        best = max(best, _preemptive_bound(*(np.concatenate([table[k][mine].ravel() for k in kinds])
+                                             for table in (heads, lengths, tails))))
         if in_flight_caps is not None:
             best = max(best, head + float(hold[mine].sum()) / max(1, in_flight_caps[s]))
+    return best
+
+
+def _heads_and_tails(forward, input_grad, weight, arrive, sent_forward, sent_backward):
+    """Per task kind (F, B, W) and [v][mb]: the head (its predecessors' chain: F's forwards and
+    activations before it; B's the whole forward chain and the gradients above it; W's its own B)
+    and the tail (its successors' chain: F's the rest of the forward chain and the backward back
+    down to v and on to v = 0, with any W after its B; B's the gradient chain below it or its W)."""
+    stages = forward.shape[0]
+    head_b, tail_b, tail_f = np.zeros_like(forward), np.zeros_like(forward), np.zeros_like(forward)
+    head_b[-1] = arrive[-1] + forward[-1]
+    for v in range(stages - 2, -1, -1):
+        head_b[v] = np.maximum(arrive[v] + forward[v], head_b[v + 1] + input_grad[v + 1] + sent_backward[v + 1])
+    tail_b[0] = weight[0]
+    for v in range(1, stages):
+        tail_b[v] = np.maximum(weight[v], sent_backward[v] + input_grad[v - 1] + tail_b[v - 1])
+    tail_f[-1] = input_grad[-1] + tail_b[-1]
+    for v in range(stages - 2, -1, -1):
+        tail_f[v] = np.maximum(input_grad[v] + tail_b[v], sent_forward[v] + forward[v + 1] + tail_f[v + 1])
+    return (arrive, head_b, head_b + input_grad), (tail_f, tail_b, np.zeros_like(forward))
+
+
+def _preemptive_bound(release, length, tail) -> float:
+    """The least max(end + tail) over one machine's tasks when a task may start no earlier than
+    its release and may be interrupted: Jackson's preemptive schedule (always run the released
+    task with the longest tail), which is optimal for that problem and so below every
+    non-preemptive schedule of the same tasks."""
+    release, length, tail = (np.asarray(x, dtype=float).tolist() for x in (release, length, tail))
+    order = sorted(range(len(release)), key=release.__getitem__)
+    ready: list[tuple[float, int, float]] = []  # (-tail, task, remaining)
+    now, best, i, n = 0.0, 0.0, 0, len(order)
+    while i < n or ready:
+        if not ready:
+            now = max(now, release[order[i]])
+        while i < n and release[order[i]] <= now:
+            task = order[i]
+            heapq.heappush(ready, (-tail[task], task, length[task]))
+            i += 1
+        negative_tail, task, remaining = heapq.heappop(ready)
+        run = remaining if i == n else min(remaining, release[order[i]] - now)
+        now += run
+        if run < remaining:
+            heapq.heappush(ready, (negative_tail, task, remaining - run))
+        else:
+            best = max(best, now - negative_tail)
     return best
 
 
