@@ -63,6 +63,11 @@ class BenchOptions:
     timeout: float = option(1200.0, "seconds before the run is killed", bound=_BOUNDS["timeout_s"])
     breakdown: bool = switch("print where each schedule's time went (device, host, runtime, agreement, waits) "
                              "instead of one line")
+    optimal: bool = switch("also each run's clairvoyant optimum of the emulated device times (CP-SAT; small "
+                           "layouts: pip install megatron-rrfp[optimal]): median time / optimum beside /LB")
+    optimal_time_limit: float = option(10.0, "solver seconds per iteration and distinct split / memory / latency of "
+                                       "the runs; past it the best order found is used, not proven",
+                                       bound=_BOUNDS["optimal_time_limit_s"])
     device: str = option("cpu", "cpu: one gloo process per rank on this host's CPUs, CUDA hidden from them; cuda: one "
                          "rank per GPU over NCCL (needs PP x TP x DP GPUs), started by torch's launcher, the emulated "
                          "device time a sleep kernel on each rank's stream", choices=("cpu", "cuda"))
@@ -134,7 +139,8 @@ def _run_bench(o: BenchOptions) -> int:
         overlap_param_gather=o.overlap_param_gather, dp_reduce_ms=o.dp_reduce_ms,
         dp_gather_ms=o.dp_gather_ms, a2a_ms=o.a2a_ms, whole_stage_agreement=o.whole_stage_agreement,
         transport=o.rrfp_transport, dp_overlap=o.rrfp_dp_overlap,
-        image_size=o.llava.img_h if llava is not None else None, patch_dim=o.llava.patch_dim, device=o.device)
+        image_size=o.llava.img_h if llava is not None else None, patch_dim=o.llava.patch_dim, device=o.device,
+        optimal=o.optimal, optimal_time_limit_s=o.optimal_time_limit)
     report = run_bench(config)
     if not report:
         return 0  # one rank of a job torchrun / srun started: rank 0 prints the table

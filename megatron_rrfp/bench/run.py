@@ -113,6 +113,11 @@ class BenchConfig:
     patch_dim: int = 14
     device: str = "cpu"
     """cpu: gloo ranks on this host's CPUs, CUDA hidden from them; cuda: one rank per GPU over NCCL."""
+    optimal: bool = False
+    """Also each run's clairvoyant optimum on the iterations' emulated device times (sim/optimal.py,
+    OR-Tools CP-SAT; small layouts): the measured time over it beside /LB."""
+    optimal_time_limit_s: float = 10.0
+    """Solver seconds per iteration and distinct (split, memory, latency) of the runs."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "pipeline_size": integer(2, 256), "num_chunks": integer(1, 16), "tensor_parallel": integer(1, 64),
@@ -121,6 +126,7 @@ class BenchConfig:
         "iterations": integer(1, 10_000), "warmup": integer(0, 10_000), "seed": integer(0, 2**31 - 1),
         "buffer_limit": BUFFER_LIMITS, "timeout_s": TIMEOUT_S, "dp_reduce_ms": bound(0, 60_000),
         "dp_gather_ms": bound(0, 60_000), "a2a_ms": bound(0, 60_000),
+        "optimal_time_limit_s": bound(0, 24 * 3600, low_open=True),
     }
     FLAGS: ClassVar[dict[str, str]] = {
         "pipeline_size": "--pipeline-model-parallel-size", "num_chunks": "--virtual-pipeline-model-parallel-size",
@@ -129,7 +135,7 @@ class BenchConfig:
         "seq_length": "--seq-length", "hidden_size": "--hidden-size", "f0_ms": "--f0-ms", "iterations": "--iterations",
         "warmup": "--warmup",
         "seed": "--seed", "buffer_limit": "--buffer-limit", "timeout_s": "--timeout", "dp_reduce_ms": "--dp-reduce-ms",
-        "dp_gather_ms": "--dp-gather-ms", "a2a_ms": "--a2a-ms",
+        "dp_gather_ms": "--dp-gather-ms", "a2a_ms": "--a2a-ms", "optimal_time_limit_s": "--optimal-time-limit",
     }
     MAX_LOCAL_RANKS = 128
     _RANKS = "--pipeline-model-parallel-size x --tensor-model-parallel-size x --data-parallel-size"
@@ -175,6 +181,21 @@ class BenchConfig:
                              "with --model gpt or hybrid")
         self._check_values_and_layout()
         check_communication(self)
+        if self.optimal:
+            self._check_optimal()
+
+    def _check_optimal(self) -> None:
+        """--optimal: the solver is installed and the layout small enough, before any rank starts."""
+        from ..policy.plan import Plan
+        from ..policy.topology import Topology
+        from ..sim.optimal import check_size, require_solver
+        from ..sim.simulator import policy
+
+        require_solver()
+        topology = Topology(self.pipeline_size, self.num_chunks)
+        split = any(Plan.build(policy(_SIM_POLICY[run.schedule], starting_limit(run.limit)), topology,
+                               self.num_microbatches).split_backward for run in self.runs())
+        check_size(topology, self.num_microbatches, split_backward=split)
 
     def _check_values_and_layout(self) -> None:
         """Every value in range and consistent with the layout, before any rank starts."""

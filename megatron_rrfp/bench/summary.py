@@ -50,13 +50,16 @@ def summarize(config, per_rank: list[dict]) -> dict:
     realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
                     for i in range(config.warmup, config.warmup + config.iterations)]
     byte_budgets = {run.key: _byte_budgets(per_rank, run.key, config.pipeline_size) for run in bench_runs}
+    orders: list[list] = []  # per realisation, every run's simulated orders: the optimum's warm starts
     for realization in realizations:
+        orders.append([])
         for run in bench_runs:
             # the byte budget the executor ran with (1x: policy/membytes.py), so the simulation decides alike
             arbiter_config = replace(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
                                      memory_bytes=byte_budgets[run.key])
-            sims.setdefault(run.key, []).append(simulate(arbiter_config, topology, config.num_microbatches,
-                                                         realization).makespan)
+            simulated = simulate(arbiter_config, topology, config.num_microbatches, realization)
+            sims.setdefault(run.key, []).append(simulated.makespan)
+            orders[-1].append(simulated.orders)
             if config.dp_reduce_ms or config.dp_gather_ms:
                 sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization,
                                                                      rrfp=run.schedule != "megatron-1f1b"))
@@ -104,12 +107,33 @@ def summarize(config, per_rank: list[dict]) -> dict:
             runs[-1]["simulated_iteration_time_s_with_dp_comm"] = statistics.median(sims_dp[key])
     for run in runs:
         run["gap_explanation"] = explain_gap(run, runs[0])
+    if config.optimal:
+        _add_optimum(config, runs, bench_runs, topology, realizations, orders, sim_limits, stage_limits)
     report = {"config": asdict(config), "variability": asdict(variability), "ranks": ranks,
               "activation_measure": per_rank[0]["runs"]["megatron-1f1b"]["activation_measure"], "runs": runs}
     if len(limit_list(config.buffer_limit)) > 1:
         megatron_in_flight = max(r["runs"]["megatron-1f1b"]["peak_in_flight"] for r in per_rank)
         report["tradeoff"] = tradeoff_section(config, runs, megatron_in_flight, megatron_peak)
     return report
+
+
+def _add_optimum(config, runs, bench_runs, topology, realizations, orders, sim_limits, stage_limits) -> None:
+    """``--optimal``: per run, the clairvoyant optimum of what it may do (its split, its per-stage
+    memory, latency as its bound charges it) on each iteration's emulated times; the median
+    measured time over the median optimum beside /LB (sim/optimal.py). Runs that agree on all
+    three share the solves."""
+    from tqdm import tqdm
+
+    from ..sim.optimal import optimum_for_policy
+    from ..sim.simulator import policy
+
+    cache: dict = {}
+    for run, report in tqdm(list(zip(bench_runs, runs)), desc="clairvoyant optimum per run", leave=False):
+        optimum = optimum_for_policy(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]), topology, realizations,
+                                     stage_limits=stage_limits[run.key], latency=run.schedule != "megatron-1f1b",
+                                     warm_starts=orders, time_limit_s=config.optimal_time_limit_s, cache=cache)
+        report["optimum"] = optimum
+        report["over_optimum"] = report["iteration_time_s"]["median"] / optimum["makespan_median"]
 
 
 def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) -> float:

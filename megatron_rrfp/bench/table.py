@@ -12,11 +12,13 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
               for r in report["runs"]]
     width = max([15, *(len(label) + 2 for label in labels)])
     chunks = f" chunks={c['num_chunks']} (interleaved)" if c["num_chunks"] > 1 else ""
+    optimal = all("over_optimum" in r for r in report["runs"])
     lines = [f"{c['model']} PP={c['pipeline_size']}{chunks} TP={c['tensor_parallel']} DP={c['data_parallel']} "
              f"M={c['num_microbatches']} variability={c['variability']} f0={c['f0_ms']} ms "
              f"(median of {c['iterations']} iterations after {c['warmup']} warm-up)",
              f"{'schedule':<{width}}{'median s':>10}{'p90 s':>9}{'speedup':>9}{'bubble':>8}{'tokens/s':>10}"
-             f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}{'/LB':>6}"]
+             f"{'act MB':>9}{'vs 1F1B':>8}{'in flight':>10}{'sim s':>8}{'sim speedup':>12}"
+             + (f"{'/opt':>6}" if optimal else "") + f"{'/LB':>6}"]
     limits, specs = [], []
     for label, r in zip(labels, report["runs"]):
         t = r["iteration_time_s"]
@@ -27,7 +29,8 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
                      + (f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}")
                      + f"{r['peak_in_flight']['max_over_ranks']:>10}"
                      f"{r['simulated_iteration_time_s']:>8.3f}{r['simulated_speedup']:>11.2f}x"
-                     f"{r.get('over_lower_bound', float('nan')):>6.2f}")
+                     + (f"{r['over_optimum']:>6.2f}" if optimal else "")
+                     + f"{r.get('over_lower_bound', float('nan')):>6.2f}")
         if r["buffer_limit"] is not None:
             specs.append(r["buffer_limit"]["spec"])
             limits.append(f"{label} {r['buffer_limit']['per_stage']}")
@@ -35,6 +38,9 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
                  "); in flight: peak (microbatch, chunk) forwards held, max over ranks; /LB: median time over the "
                  "lower bound of the emulated device times (sim/bounds.py: at the run's buffer limit, with its "
                  "message latency)")
+    lines.append(format_optimum_note(report["runs"]) if optimal else
+                 "/LB overstates the room left where the bound is loose (interleaving with jitter: docs/simulator.md"
+                 "); --optimal: the clairvoyant optimum instead (small layouts, pip install megatron-rrfp[optimal])")
     if limits:
         lines.append(f"buffer limit {', '.join(dict.fromkeys(specs))}, resolved per stage: " + "; ".join(limits))
     if sweep:
@@ -47,6 +53,17 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
             for label, r in dp))
     lines.extend(format_breakdown(report, labels, width) if breakdown else summarize_breakdown(report, labels))
     return "\n".join(lines)
+
+
+def format_optimum_note(runs: list[dict]) -> str:
+    """One line under the table: what /opt divides by, and how much of it the solver proved."""
+    solves = [(p, t) for r in runs for p, t in zip(r["optimum"]["proven_per_iteration"],
+                                                  r["optimum"]["seconds_per_iteration"])]
+    limit = runs[0]["optimum"]["time_limit_s"]
+    return (f"/opt: median time over the median clairvoyant optimum of the same emulated times (sim/optimal.py, "
+            f"CP-SAT: the best order with the run's split, memory and latency), proven on {sum(p for p, _ in solves)} "
+            f"of {len(solves)} (run, iteration)s (else the best order found in {limit:g} s, so /opt is at most the "
+            f"true ratio); solver {max(t for _, t in solves):.1f} s at most")
 
 
 def summarize_breakdown(report: dict, labels: list[str]) -> list[str]:

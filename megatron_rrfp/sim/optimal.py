@@ -62,7 +62,8 @@ class Optimum:
     seconds: float
     split_backward: bool
     cap: int
-    """Forwards in flight allowed per stage (the buffer limit, at least the chunk count)."""
+    """Forwards in flight allowed per stage (the buffer limit, at least the chunk count; the
+    largest where the stages' limits differ)."""
     scale: int
     """Solver time units per unit of the realisation's times."""
 
@@ -131,7 +132,7 @@ class _Model:
     """The CP-SAT model of one realisation (integer times: ``rounded`` ones times ``scale``)."""
 
     def __init__(self, cp_model, times: Realization, topology: Topology, scale: int, *, split_backward: bool,
-                 cap: int, lower_bound: float, in_order: bool = False) -> None:
+                 cap: Sequence[int], lower_bound: float, in_order: bool = False) -> None:
         self.cp, self.topology, self.split, self.in_order = cp_model, topology, split_backward, in_order
         self.model = model = cp_model.CpModel()
         pp, chunks = topology.num_stages, topology.num_chunks
@@ -231,12 +232,12 @@ class _Model:
                     literals[(ka, kb)] = first
         return literals
 
-    def _memory(self, cap: int) -> None:
-        """Forwards in flight: one unit from F's start to the release's end, at most ``cap``."""
+    def _memory(self, caps: Sequence[int]) -> None:
+        """Forwards in flight: one unit from F's start to the release's end, at most the stage's cap."""
         chunks, release = self.topology.num_chunks, Kind.W if self.split else Kind.B
-        if cap >= self.m * chunks:
-            return  # room for every forward: the limit cannot bind
-        for s in range(self.topology.num_stages):
+        for s, cap in enumerate(caps):
+            if cap >= self.m * chunks:
+                continue  # room for every forward: the limit cannot bind
             held = []
             for c in range(chunks):
                 for j in range(self.m):
@@ -280,13 +281,14 @@ def _as_split(orders: Sequence[Sequence[Task]], split_backward: bool) -> list[li
     return result
 
 
-def optimal_schedule(realization: Realization, topology: Topology, *, buffer_limit: int, split_backward: bool,
+def optimal_schedule(realization: Realization, topology: Topology, *, buffer_limit: int | Sequence[int],
+                     split_backward: bool,
                      time_limit_s: float = 10.0, workers: int = 8, warm_start: Sequence[Sequence[Task]] = (),
                      lower_bound: float = 0.0, scale: Optional[int] = None, in_order: bool = False) -> Optimum:
     """The clairvoyant optimum on ``realization`` (module docstring).
 
-    ``buffer_limit``: forwards in flight per stage, resolved (an int; the cap is at least the
-    chunk count, as the arbiter's). ``warm_start``: per-stage orders the simulator can run
+    ``buffer_limit``: forwards in flight per stage, resolved (an int, or one per stage; the cap
+    is at least the chunk count, as the arbiter's). ``warm_start``: per-stage orders the simulator can run
     (a policy's), the best of which starts the search. ``lower_bound``: a proven bound on the
     exact times (``bounds.lower_bound``), given to the solver as a cut. ``in_order``: keep each
     (stage, chunk, kind)'s microbatches in order, as every policy here does — the optimum a
@@ -297,12 +299,13 @@ def optimal_schedule(realization: Realization, topology: Topology, *, buffer_lim
     check_size(topology, m, split_backward=split_backward)
     scale = scale or choose_scale(realization)
     times = rounded(realization, topology, scale, split_backward=split_backward)
-    cap = max(int(buffer_limit), topology.num_chunks)
+    limits = [buffer_limit] * topology.num_stages if isinstance(buffer_limit, (int, np.integer)) else buffer_limit
+    caps = [max(int(limit), topology.num_chunks) for limit in limits]
     began = time.perf_counter()
-    model = _Model(cp_model, times, topology, scale, split_backward=split_backward, cap=cap,
+    model = _Model(cp_model, times, topology, scale, split_backward=split_backward, cap=caps,
                    lower_bound=lower_bound, in_order=in_order)
     starts = [orders for orders in (_as_split(o, split_backward) for o in warm_start)
-              if max(peak_in_flight(order) for order in orders) <= cap]
+              if all(peak_in_flight(order) <= cap for order, cap in zip(orders, caps))]
     warm = min((replay(orders, topology, times, record_trace=True) for orders in starts),
                key=lambda run: run.makespan, default=None)
     if warm is not None:
@@ -324,7 +327,15 @@ def optimal_schedule(realization: Realization, topology: Topology, *, buffer_lim
     return Optimum(makespan=makespan,
                    solver_makespan=solver.ObjectiveValue() / scale if found else warm.makespan,
                    solver_bound=solver.BestObjectiveBound() / scale, proven=status == cp_model.OPTIMAL,
-                   orders=orders, seconds=seconds, split_backward=split_backward, cap=cap, scale=scale)
+                   orders=orders, seconds=seconds, split_backward=split_backward, cap=max(caps), scale=scale)
+
+
+def require_solver() -> None:
+    """ValueError, one line naming the extra, where OR-Tools is not installed."""
+    try:
+        _cp_model()
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_study(config, limits: Sequence) -> None:
@@ -332,10 +343,7 @@ def check_study(config, limits: Sequence) -> None:
     solver is installed and every limit's layout is within ``MAX_TASKS``."""
     from ..policy.budget import resolve_buffer_limit
 
-    try:
-        _cp_model()
-    except ImportError as exc:
-        raise ValueError(str(exc)) from None
+    require_solver()
     topology = Topology(config.pipeline_size, config.num_chunks)
     m = config.num_microbatches
     for spec in limits:
@@ -395,6 +403,42 @@ def add_optimum(config, tradeoff: dict, *, time_limit_s: float = 10.0, workers: 
     return tradeoff
 
 
+def optimum_for_policy(config: ArbiterConfig, topology: Topology, realizations: Sequence[Realization], *,
+                       stage_limits: Optional[Sequence[Optional[int]]] = None, latency: bool = True,
+                       warm_starts: Sequence[Sequence] = (), time_limit_s: float = 10.0, workers: int = 8,
+                       cache: Optional[dict] = None) -> dict:
+    """Per realisation, the optimum for what ``config`` may do — its split, its memory per stage
+    (``bounds.in_flight_caps``: a fixed order's own peak, else the limit a run resolved) and the
+    message latency where ``latency`` — beside the bound for the same (``bounds.median_lower_bound``'s
+    per realisation): what ``bench --optimal`` divides its measured times by. ``warm_starts[i]``:
+    orders the simulator ran on realisation i. ``cache``: solves shared between the runs that
+    agree on split, caps and latency."""
+    from ..policy.plan import Plan
+    from .bounds import in_flight_caps, lower_bound, without_latency
+    from .simulator import median
+
+    m = len(realizations[0].forward[0][0])
+    plan = Plan.build(config, topology, m)
+    caps, split = in_flight_caps(plan, stage_limits), plan.split_backward
+    check_size(topology, m, split_backward=split)
+    cache = {} if cache is None else cache
+    solved = []
+    for i, realization in enumerate(realizations):
+        key = (i, split, tuple(caps), latency)
+        if key not in cache:
+            times = realization if latency else without_latency(realization)
+            bound = lower_bound(times, topology, m, split_backward=split, in_flight_caps=caps)
+            cache[key] = (optimal_schedule(times, topology, buffer_limit=caps, split_backward=split,
+                                           time_limit_s=time_limit_s, workers=workers, lower_bound=bound,
+                                           warm_start=warm_starts[i] if warm_starts else ()), bound)
+        solved.append(cache[key])
+    makespans = [o.makespan for o, _ in solved]
+    return {"split_backward": split, "caps": list(caps), "makespan_per_iteration": makespans,
+            "makespan_median": median(makespans), "proven_per_iteration": [o.proven for o, _ in solved],
+            "seconds_per_iteration": [o.seconds for o, _ in solved],
+            "lower_bound_over_optimal": median([b / o.makespan for o, b in solved]), "time_limit_s": time_limit_s}
+
+
 def format_optimum(study: dict) -> str:
     """One line: the optimum beside the bound, how many seeds the solver proved, its time."""
     o = study["optimal"]
@@ -406,4 +450,5 @@ def format_optimum(study: dict) -> str:
 
 
 __all__ = ["INSTALL_HINT", "MAX_TASKS", "Optimum", "add_optimum", "check_size", "check_study", "choose_scale",
-           "format_optimum", "optimal_schedule", "replay", "rounded", "task_count"]
+           "format_optimum", "optimal_schedule", "optimum_for_policy", "replay", "require_solver",
+           "rounded", "task_count"]
