@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--comm", default="0.25,0.5,1,2", help="--grid: reduction = all-gather time per bucket (f0)")
     parser.add_argument("--bucket-counts", default="1,2,4,8", help="--grid: buckets per chunk")
     parser.add_argument("--csv", metavar="PATH", help="--grid: every cell's medians as CSV")
+    parser.add_argument("--choice-seeds", type=int, default=3, help="--grid: seeds the rule's variant is chosen on "
+                        "(other draws than the evaluated ones)")
     args = parser.parse_args(argv)
     if args.grid:
         return grid(parser, args)
@@ -131,10 +133,10 @@ def grid(parser, args) -> int:
     import csv
     import statistics
 
-    from megatron_rrfp.policy.plan import Plan
+    from megatron_rrfp.policy.epochs import DEFAULT_VARIANT
     from megatron_rrfp.policy.topology import Topology
     from megatron_rrfp.sim.dp_comm import DPComm, replicas_iteration_time
-    from megatron_rrfp.sim.dp_epochs import policy_orders, run_with_epochs, static_timeline
+    from megatron_rrfp.sim.dp_epochs import best_variant, variant_times, variant_traces
     from megatron_rrfp.sim.simulator import median, policy, simulate
     from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, lockstep, sample_realization
 
@@ -151,65 +153,63 @@ def grid(parser, args) -> int:
         parser.error("--comm: every value must be > 0")
     buckets = _ints(parser, "bucket-counts", args.bucket_counts, 1)
     megatron, rrfp = policy("1f1b-strict"), policy("default")
-    schedules = ("megatron", "after-loop", "lockstep", "epochs-megatron", "epochs-policy")
     rows, below = [], []
     print(f"DP {args.dp}, M = {args.microbatches_per_stage} x PP, 1x, {args.seeds} seeds, DP communication per bucket "
-          f"(reduction = all-gather) {args.comm} f0, buckets per chunk {args.bucket_counts}; speedup of the epoch rule "
-          "(the better static timeline per cell in brackets: m = Megatron's order, p = the policy's) over each")
-    print("| PP | chunks | var | vs Megatron: worst / median | vs after-loop: worst / median "
-          "| vs lock-step: worst / median | worst cell vs Megatron (timeline megatron; policy) |")
+          f"(reduction = all-gather) {args.comm} f0, buckets per chunk {args.bucket_counts}; the epoch rule with "
+          f"the variant its simulator chooses ({args.choice_seeds} other seeds) over each; worst / median per row")
+    print("| PP | chunks | var | vs Megatron | vs after-loop | vs lock-step "
+          "| fixed variant vs Megatron; vs after-loop |")
     print("|---|---|---|---|---|---|---|")
     for pp in sizes:
         for chunks in chunk_counts:
             topology, m = Topology(pp, chunks), args.microbatches_per_stage * pp
-            split = Plan.build(rrfp, topology, m).split_backward
-            timelines = {"epochs-megatron": static_timeline(topology, m, split),
-                         "epochs-policy": static_timeline(topology, m, split, policy_orders(rrfp, topology, m))}
             for level in levels:
                 variability = Variability(**VARIABILITY_LEVELS[level])
-                traces = {k: [] for k in schedules}  # per seed: the replicas' traces
-                for seed in range(args.seeds):
-                    replicas = [sample_realization(variability, topology, m, seed * 1000 + r) for r in range(args.dp)]
-                    traces["megatron"].append([simulate(megatron, topology, m, r, record_trace=True).trace
-                                               for r in replicas])
-                    traces["after-loop"].append([simulate(rrfp, topology, m, r, record_trace=True).trace
-                                                 for r in replicas])
-                    traces["lockstep"].append([simulate(rrfp, topology, m, lockstep(replicas),
-                                                        record_trace=True).trace])
-                    for name, timeline in timelines.items():
-                        traces[name].append([run_with_epochs(rrfp, topology, m, r, timeline).trace
-                                             for r in replicas])
+
+                evaluation = [[sample_realization(variability, topology, m, seed * 1000 + r) for r in range(args.dp)]
+                              for seed in range(args.seeds)]
+                choice = variant_traces(rrfp, topology, m, [
+                    [sample_realization(variability, topology, m, 7919 * (seed + 1) + r) for r in range(args.dp)]
+                    for seed in range(args.choice_seeds)])
+                rule = variant_traces(rrfp, topology, m, evaluation)
+                traces = {"megatron": [[simulate(megatron, topology, m, r, record_trace=True).trace for r in replicas]
+                                       for replicas in evaluation],
+                          "after-loop": [[simulate(rrfp, topology, m, r, record_trace=True).trace for r in replicas]
+                                         for replicas in evaluation],
+                          "lockstep": [[simulate(rrfp, topology, m, lockstep(replicas), record_trace=True).trace]
+                                       for replicas in evaluation]}
                 cells = []
                 for comm_f0 in comms:
                     for count in buckets:
                         comm = DPComm(reduce_per_bucket=comm_f0, gather_per_bucket=comm_f0, buckets_per_chunk=count)
-                        t = {}
-                        for name in schedules:
-                            overlap = name != "after-loop"
-                            t[name] = median([replicas_iteration_time(
-                                seed_traces, pp, chunks, comm, overlap_grad_reduce=overlap,
-                                overlap_param_gather=overlap) for seed_traces in traces[name]])
-                        t["epochs"] = min(t["epochs-megatron"], t["epochs-policy"])
+                        t = {name: median([replicas_iteration_time(
+                            seed_traces, pp, chunks, comm, overlap_grad_reduce=name != "after-loop",
+                            overlap_param_gather=name != "after-loop") for seed_traces in per_seed])
+                            for name, per_seed in traces.items()}
+                        chosen = best_variant(variant_times(choice, topology, comm))
+                        times = variant_times(rule, topology, comm)
+                        t["epochs-fixed"], t["epochs"] = times[DEFAULT_VARIANT], times[chosen]
                         cells.append((comm_f0, count, t))
                         rows.append(dict(pp=pp, chunks=chunks, var=level, comm=comm_f0, buckets=count,
-                                         **{k: round(v, 4) for k, v in t.items()}))
+                                         **{k: round(v, 4) for k, v in t.items()}, chosen=str(chosen)))
                         if t["epochs"] > t["megatron"] * (1 + 1e-9):
                             below.append((pp, chunks, level, comm_f0, count, t["megatron"] / t["epochs"]))
 
-                def ratios(other: str, cells=cells):
-                    values = [c[2][other] / c[2]["epochs"] for c in cells]
+                def ratios(other: str, rule="epochs", cells=cells):
+                    values = [c[2][other] / c[2][rule] for c in cells]
                     return min(values), statistics.median(values)
 
-                worst = min(cells, key=lambda c: c[2]["megatron"] / c[2]["epochs"])
-                tag = "m" if worst[2]["epochs-megatron"] <= worst[2]["epochs-policy"] else "p"
                 vs = [ratios(o) for o in ("megatron", "after-loop", "lockstep")]
-                print(f"| {pp} | {chunks} | {level} | " + " | ".join(f"{a:.3f}x / {b:.3f}x" for a, b in vs)
-                      + f" | {worst[0]} f0 x {worst[1]} buckets [{tag}]: "
-                      f"{worst[2]['megatron'] / worst[2]['epochs-megatron']:.3f}x; "
-                      f"{worst[2]['megatron'] / worst[2]['epochs-policy']:.3f}x |", flush=True)
+                vs += [ratios(o, "epochs-fixed") for o in ("megatron", "after-loop")]
+                print(f"| {pp} | {chunks} | {level} | " + " | ".join(f"{a:.3f}x / {b:.3f}x" for a, b in vs[:3])
+                      + " | " + "; ".join(f"{a:.3f}x / {b:.3f}x" for a, b in vs[3:]) + " |", flush=True)
     print(f"cells below Megatron (rule / Megatron < 1.000): {len(below)} of {len(rows)}")
     for pp, chunks, level, comm_f0, count, ratio in below:
         print(f"  PP {pp} x {chunks} chunks {level}, {comm_f0} f0 x {count} buckets: {ratio:.3f}x")
+    for other in ("after-loop", "lockstep"):
+        behind = [r for r in rows if r[other] < r["epochs"] * 0.99]
+        print(f"cells with the rule more than 1% behind {other}: {len(behind)} of {len(rows)}"
+              + (f" (worst {min(r[other] / r['epochs'] for r in behind):.3f}x)" if behind else ""))
     if args.csv:
         with open(args.csv, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

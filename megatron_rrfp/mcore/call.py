@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..policy.arbiter import Arbiter
-from ..policy.epochs import EpochBook, timeline_for
+from ..policy.epochs import DEFAULT_VARIANT, EpochBook, timeline_for
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..ranks import print_line
@@ -41,7 +41,7 @@ from .stage_work import (
     with_combined_steps,
     with_split_capability,
 )
-from .state import ScheduleState
+from .state import ScheduleState, epoch_variant_key
 
 _UNSUPPORTED_FLAGS = {
     "overlap_p2p_comm": "rrfp overlaps communication by design (sender/receiver threads); set overlap_p2p_comm=False",
@@ -117,9 +117,12 @@ class ScheduleCall:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         self._open.enter_context(self.meter)
+        book = self._epoch_book()
         self.grad_sync = GradSyncController(config, inputs.models, pp_rank=place.stage,
                                             num_microbatches=inputs.num_microbatches,
-                                            forward_only=inputs.forward_only, in_loop=place.dp_mode != AFTER_LOOP)
+                                            forward_only=inputs.forward_only, in_loop=place.dp_mode != AFTER_LOOP,
+                                            after_loop_chunks=book.timeline.deferred if book else frozenset(),
+                                            gathers_before=book is not None and book.timeline.gathers_before)
         self.grad_sync.start()
         self.work = self._stage_work()
         iteration = PipelineIteration(
@@ -128,7 +131,7 @@ class ScheduleCall:
             agreement=self.agreement, timeout_s=self.options.timeout_s, forward_only=inputs.forward_only,
             record_spans=self.options.record_spans, memory=self.meter, measure_task_bytes=self.in_bytes.calibrating,
             around_task=self.options.around_task, deliver_message=self.options.deliver_message,
-            epochs=self._epoch_book())
+            epochs=book)
         self.report = iteration.run()
         if self.wgrad_store is not None:
             self.report.peak_deferred_wgrad_bytes = self.wgrad_store.peak_pending_bytes
@@ -172,8 +175,10 @@ class ScheduleCall:
         place, inputs = self.place, self.inputs
         if place.dp_mode != EPOCHS or inputs.forward_only:
             return None
+        variant = self.state.epoch_variants.get(epoch_variant_key(inputs.models, place.topology,
+                                                                  inputs.num_microbatches), DEFAULT_VARIANT)
         timeline = timeline_for(self.options.arbiter, place.topology, inputs.num_microbatches,
-                                self.arbiter.split_backward)
+                                self.arbiter.split_backward, variant)
         return EpochBook(timeline, place.topology, place.stage)
 
     def _stage_work(self) -> MegatronStageWork:

@@ -7,8 +7,10 @@ Readiness-first changes *which* backward is last, not the rule, so the rule is a
 does DDP's readiness counting instead (a weight's gradient is complete only after its W);
 ``param_sync_func`` all-gathers run before each chunk's first forward; outside the loop
 (``in_loop=False``, ``dp_overlap``'s after-loop choice) all-gathers complete before the first
-task and reductions launch after the last. Why each step is safe and in the same order on every
-DP replica: docs/design/grad-sync.md.
+task and reductions launch after the last; ``after_loop_chunks`` does that for the reductions of
+some chunks only, ``gathers_before`` launches every chunk's all-gathers before the first task
+without waiting for them (the DP epoch rule's variants). Why each step is safe and in the same
+order on every DP replica: docs/design/grad-sync.md.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ def _per_chunk(funcs, count: int):
 
 class GradSyncController:
     def __init__(self, config, models, *, pp_rank: int, num_microbatches: int, forward_only: bool,
-                 in_loop: bool = True) -> None:
+                 in_loop: bool = True, after_loop_chunks: frozenset = frozenset(),
+                 gathers_before: bool = False) -> None:
         self.config, self.models, self.pp_rank = config, models, pp_rank
         self.in_loop = in_loop or forward_only
+        self.after_loop_chunks = frozenset() if forward_only else frozenset(after_loop_chunks)
+        self.gathers_before = gathers_before
         self.interleaved = len(models) > 1
         self.forward_only = forward_only
         no_sync = config.no_sync_func
@@ -67,17 +72,18 @@ class GradSyncController:
                     model.start_param_sync(force_sync=True)
             return
         if self._param_sync is not None and self.interleaved:
-            for chunk in range(min(2, len(self.models))):
+            for chunk in range(len(self.models) if self.gathers_before else min(2, len(self.models))):
                 self._param_sync[chunk](self.models[chunk].parameters())
 
     def before_forward(self, chunk: int, first_of_chunk: bool) -> None:
         nxt = chunk + 1
-        if self.in_loop and self._param_sync is not None and first_of_chunk and 1 < nxt < len(self.models):
+        if (self.in_loop and not self.gathers_before and self._param_sync is not None and first_of_chunk
+                and 1 < nxt < len(self.models)):
             self._param_sync[nxt](self.models[nxt].parameters())
 
     def before_backward(self, chunk: int) -> None:
         self._backwards_left[chunk] -= 1
-        if self._backwards_left[chunk] or not self.in_loop:
+        if self._backwards_left[chunk] or not self.in_loop or chunk in self.after_loop_chunks:
             return
         if not self.interleaved:
             if self._grad_sync is None or self.pp_rank == 0:
@@ -89,7 +95,7 @@ class GradSyncController:
     def after_backward(self, chunk: int) -> None:
         if not self.interleaved or not self.in_loop:
             return
-        if self._grad_sync is not None and self._backwards_left[chunk] == 0:
+        if self._grad_sync is not None and self._backwards_left[chunk] == 0 and chunk not in self.after_loop_chunks:
             self.enable()
             self._grad_sync[chunk](self.models[chunk].parameters())
             self._synced.add(chunk)
@@ -98,7 +104,8 @@ class GradSyncController:
     def reduces_during_backward(self, chunk: int) -> bool:
         """Megatron's contract: chunk's reductions launch during (or right after) its last
         backward — not interleaved: without grad_sync_func or on pipeline rank 0; interleaved: always."""
-        return self.interleaved or self._grad_sync is None or self.pp_rank == 0
+        during = self.interleaved or self._grad_sync is None or self.pp_rank == 0
+        return during and chunk not in self.after_loop_chunks
 
     def split_readiness(self, deferred: set, *, overlap_allowed: bool = True,
                         at_last_weight: bool = False) -> SplitReadiness:
@@ -114,12 +121,7 @@ class GradSyncController:
             return
         if not self.in_loop:
             self.enable()
-            for chunk, model in enumerate(self.models):
-                if self._grad_sync is not None:
-                    self._grad_sync[chunk](model.parameters())
-                elif getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False):
-                    model.start_grad_sync()  # finalize_model_grads' finish_grad_sync waits for it
-                self._synced.add(chunk)
+            self._launch_after_loop(range(len(self.models)))
             return
         if not self.interleaved:
             if self._context is not None:
@@ -128,11 +130,22 @@ class GradSyncController:
                     self._grad_sync[0](self.models[0].parameters())
             return
         self.enable()
+        self._launch_after_loop(sorted(self.after_loop_chunks - self._synced))
         if self._grad_sync is not None:
             for chunk in range(len(self.models)):
                 if chunk not in self._synced:
                     self._grad_sync[chunk](self.models[chunk].parameters())
                     self._synced.add(chunk)
+
+    def _launch_after_loop(self, chunks) -> None:
+        """The reductions of ``chunks`` after the last task, in chunk order on every replica."""
+        for chunk in chunks:
+            model = self.models[chunk]
+            if self._grad_sync is not None:
+                self._grad_sync[chunk](model.parameters())
+            elif getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False):
+                model.start_grad_sync()  # finalize_model_grads' finish_grad_sync waits for it
+            self._synced.add(chunk)
 
 
 class SplitReadiness:

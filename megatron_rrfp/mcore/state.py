@@ -56,6 +56,7 @@ class ScheduleState:
         self.session: Any = None  # the runtime (session.Session: groups, transport, inbox)
         self.auto_limits: dict[tuple, Any] = {}  # auto_limit's calibrations, by (models, hint, budget, layout, M)
         self.byte_budgets: dict[tuple, Any] = {}  # byte_limit's calibrations, by (models, policy, layout, M)
+        self.epoch_variants: dict[tuple, Any] = {}  # the DP epoch rule's variant, by epoch_variant_key
         self.last_report: Any = None  # the last completed call's IterationReport
         self.dp_modes_said: set[int] = set()  # models whose DP-communication mode rank 0 has named
         self.ranks_on_host: Optional[int] = None  # ranks of the world on this host (a collective, asked once)
@@ -101,4 +102,9 @@ class ScheduleState:
             old.close(timeout, abort=abort)
 
 
-__all__ = ["ScheduleState"]
+def epoch_variant_key(models, topology, num_microbatches: int) -> tuple:
+    """Which job a DP epoch rule variant belongs to: its model chunks, layout and M."""
+    return tuple(map(id, models)), topology, num_microbatches
+
+
+__all__ = ["ScheduleState", "epoch_variant_key"]

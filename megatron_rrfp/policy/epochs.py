@@ -46,6 +46,8 @@ class Timeline:
     epoch: dict = field(default_factory=dict)  # (producer stage, task) -> epoch of the message it sends
     index: dict = field(default_factory=dict)  # (stage, task) -> its position in orders[stage]
     point_of: dict = field(default_factory=dict)  # (stage, task) -> index g of the DP point it holds
+    deferred: frozenset = frozenset()  # chunks reduced after the loop (no reduction point)
+    gathers_before: bool = False  # every chunk's all-gathers launched before the first task (no gather point)
 
     def message_epoch(self, topology: Topology, dst: int, forward: bool, microbatch: int, chunk: int) -> int:
         """The epoch of the message stage ``dst`` receives for its ``chunk`` (an activation if
@@ -71,9 +73,12 @@ def policy_orders(config: ArbiterConfig, topology: Topology, num_microbatches: i
 
 
 def static_timeline(topology: Topology, num_microbatches: int, split: bool,
-                    orders: list[list[Task]] | None = None) -> Timeline:
+                    orders: list[list[Task]] | None = None, deferred: frozenset = frozenset(),
+                    gathers_before: bool = False) -> Timeline:
     """Run the static orders (default: Megatron's, ``megatron_orders``) at nominal durations
-    (F 1, B 2; split B = W = 1) without latency."""
+    (F 1, B 2; split B = W = 1) without latency. The chunks in ``deferred`` reduce after the
+    task loop, so their last B / W is no DP point; ``gathers_before``: every chunk's
+    all-gathers are launched before the first task, so no forward is a DP point."""
     orders = orders or megatron_orders(topology, num_microbatches, split)
     pp, chunks = topology.num_stages, topology.num_chunks
     nominal = constant_durations(split)
@@ -121,13 +126,16 @@ def static_timeline(topology: Topology, num_microbatches: int, split: bool,
             if task.kind is Kind.F:
                 first.setdefault(task.chunk, task)
         for chunk, task in last.items():
+            if chunk in deferred:
+                continue
             keyed.append(((end[(stage, task)], REDUCE, stage, chunk), DPPoint(stage, task, "reduce", chunk)))
-        for chunk in range(1, chunks - 1):  # chunk c's first forward gathers chunk c + 1
+        for chunk in range(1, chunks - 1) if not gathers_before else ():  # chunk c's first F gathers c + 1
             task = first[chunk]
             keyed.append(((start[(stage, task)], GATHER, stage, chunk), DPPoint(stage, task, "gather", chunk + 1)))
     keyed.sort(key=lambda item: item[0])
     keys = [key for key, _ in keyed]
-    timeline = Timeline(orders=orders, points=[point for _, point in keyed])
+    timeline = Timeline(orders=orders, points=[point for _, point in keyed], deferred=frozenset(deferred),
+                        gathers_before=gathers_before)
     for stage, order in enumerate(orders):
         for i, task in enumerate(order):
             timeline.index[(stage, task)] = i
@@ -209,33 +217,80 @@ class EpochBook:
         return self.timeline.points[g]
 
 
-@functools.lru_cache(maxsize=16)
+@dataclass(frozen=True, slots=True)
+class EpochVariant:
+    """Which static timeline the rule follows, and which DP collectives leave the loop.
+
+    ``order``: "megatron" (Megatron's interleaved order, each W after its B) or "policy" (the
+    policy's own nominal dry run). ``deferred``: chunks whose reductions launch after the last
+    task (no DP point, as ``after-loop`` does for every chunk); ``gathers_before``: every
+    chunk's all-gathers launch before the first task. Fewer points free the order; each
+    collective moved out of the loop stops overlapping compute (or, an all-gather, overlaps
+    the first chunks' forwards only)."""
+
+    order: str = "megatron"
+    deferred: frozenset = frozenset()
+    gathers_before: bool = False
+
+    def __str__(self) -> str:
+        out = [self.order + " order"]
+        if self.deferred:
+            out.append(f"chunks {','.join(map(str, sorted(self.deferred)))} reduced after the loop")
+        if self.gathers_before:
+            out.append("all-gathers before it")
+        return ", ".join(out)
+
+
+DEFAULT_VARIANT = EpochVariant()
+
+
+def candidate_variants(num_chunks: int) -> list[EpochVariant]:
+    """Every variant a job may choose: both orders, deferring chunks 0 .. k - 1 for each k
+    (chunk 0 completes last, so its reduction overlaps least), and no DP point at all."""
+    variants = [EpochVariant(order, frozenset(range(k))) for order in ("megatron", "policy")
+                for k in range(num_chunks + 1)]
+    if num_chunks > 2:  # with two chunks, deferring both leaves no point already
+        variants.append(EpochVariant("megatron", frozenset(range(num_chunks)), gathers_before=True))
+    return variants
+
+
+@functools.lru_cache(maxsize=64)
+def _timeline(topology: Topology, num_microbatches: int, split: bool, variant: EpochVariant,
+              policy_config: Optional[ArbiterConfig]) -> Timeline:
+    orders = None if policy_config is None else policy_orders(policy_config, topology, num_microbatches)
+    return static_timeline(topology, num_microbatches, split, orders, variant.deferred, variant.gathers_before)
+
+
 def megatron_timeline(topology: Topology, num_microbatches: int, split: bool) -> Timeline:
     """``static_timeline`` of Megatron's order, made once per layout (the runtime's every call reads it)."""
-    return static_timeline(topology, num_microbatches, split)
+    return _timeline(topology, num_microbatches, split, DEFAULT_VARIANT, None)
 
 
-def timeline_for(config: ArbiterConfig, topology: Topology, num_microbatches: int, split: bool) -> Timeline:
+def timeline_for(config: ArbiterConfig, topology: Topology, num_microbatches: int, split: bool,
+                 variant: EpochVariant = DEFAULT_VARIANT) -> Timeline:
     """The static timeline a job uses (docs/design/dp-epochs.md): Megatron's order where the
-    buffer limit holds Megatron's own peak, else the policy's nominal dry run at that limit (a
-    valid execution the memory rule admits). Read from the configured limit, not a rank's
-    measured one, so every rank of every replica has the same timeline; ``auto`` reads Megatron's."""
+    buffer limit holds Megatron's own peak and ``variant`` asks for it, else the policy's
+    nominal dry run at that limit (a valid execution the memory rule admits). Read from the
+    configured limit, not a rank's measured one, so every rank of every replica has the same
+    timeline; ``auto`` reads Megatron's."""
     try:
         peak = megatron_peak_in_flight(topology, num_microbatches)
     except BufferLimitError:  # a layout Megatron's interleaved schedule refuses
         peak = None
     limit = peak if is_auto(config.buffer_limit) and peak is not None else \
         resolve_buffer_limit(config.buffer_limit, topology, num_microbatches)
-    if peak is not None and limit >= peak:
-        return megatron_timeline(topology, num_microbatches, split)
+    if peak is not None and limit >= peak and variant.order == "megatron":
+        return _timeline(topology, num_microbatches, split, variant, None)
     own = dataclasses.replace(config, buffer_limit=limit, memory_bytes=None)
-    return static_timeline(topology, num_microbatches, split, policy_orders(own, topology, num_microbatches))
+    return _timeline(topology, num_microbatches, split, variant, own)
 
 
 def choose(book: EpochBook, arbiter, ready) -> Optional[Task]:
     """The task a stage runs under the rule: the hint's choice among the tasks the rule allows,
     or, where the hint waits, the interval's earliest admitted task (``EpochBook.fallback``).
-    The simulator and the executor both call this."""
+    The simulator and the executor both call this. Without any DP point the rule is void."""
+    if not book.timeline.points:
+        return arbiter.choose(ready)
     allowed = book.allowed(ready)
     if not allowed:
         return None
@@ -243,5 +298,5 @@ def choose(book: EpochBook, arbiter, ready) -> Optional[Task]:
     return task if task is not None else book.fallback(allowed, arbiter.admission_frontier())
 
 
-__all__ = ["DPPoint", "EpochBook", "Timeline", "choose", "megatron_orders", "megatron_timeline", "policy_orders",
-           "static_timeline", "timeline_for"]
+__all__ = ["DEFAULT_VARIANT", "DPPoint", "EpochBook", "EpochVariant", "Timeline", "candidate_variants", "choose",
+           "megatron_orders", "megatron_timeline", "policy_orders", "static_timeline", "timeline_for"]

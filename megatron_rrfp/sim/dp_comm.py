@@ -75,7 +75,7 @@ def iteration_time(trace, num_stages: int, num_chunks: int, comm: DPComm, *, ove
 
 
 def replicas_iteration_time(traces, num_stages: int, num_chunks: int, comm: DPComm, *, overlap_grad_reduce: bool,
-                            overlap_param_gather: bool) -> float:
+                            overlap_param_gather: bool, deferred: frozenset = frozenset()) -> float:
     """``iteration_time`` of DP replicas, one trace each: a bucket's reduction starts once every
     replica launched it, and a stage ends with its slower replica."""
     last_end = [0.0] * num_stages
@@ -96,6 +96,8 @@ def replicas_iteration_time(traces, num_stages: int, num_chunks: int, comm: DPCo
             complete = last_w[stage][chunk] if split else last_b[stage][chunk]
             apart = split and comm.b_only_apart  # the B-only share leaves the mixed buckets (same bytes in all)
             mixed = comm.reduce_per_bucket * (1 - comm.b_only_share / comm.buckets_per_chunk if apart else 1)
+            if chunk in deferred:  # reduced after the loop
+                complete = last_end[stage]
             ready += [(complete, mixed)] * comm.buckets_per_chunk
             if apart:
                 ready.append((last_b[stage][chunk], comm.b_only_share * comm.reduce_per_bucket))

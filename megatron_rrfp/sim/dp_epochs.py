@@ -15,6 +15,10 @@ policy's dry-run engine (``policy/dryrun.py``'s readiness bookkeeping) under it:
 
 The trace goes to ``sim/dp_comm.replicas_iteration_time`` with the other replicas' (a
 reduction starts once the slower replica launched it). Units of f0.
+
+``choose_variant`` is the rule's one free choice (``policy.epochs.EpochVariant``: which
+static order, which chunks reduce after the loop), made by this simulator on the job's own
+layout, variability and DP communication: the variant with the smallest median iteration.
 """
 from __future__ import annotations
 
@@ -23,11 +27,24 @@ import heapq
 from ..policy.actions import Kind, Task
 from ..policy.arbiter import ArbiterConfig
 from ..policy.dryrun import DeadlockError, DryRun, _Pipeline, _task_time
-from ..policy.epochs import DPPoint, EpochBook, Timeline, megatron_orders, policy_orders, static_timeline, timeline_for
+from ..policy.epochs import (
+    DEFAULT_VARIANT,
+    DPPoint,
+    EpochBook,
+    EpochVariant,
+    Timeline,
+    candidate_variants,
+    megatron_orders,
+    policy_orders,
+    static_timeline,
+    timeline_for,
+)
 from ..policy.epochs import choose as choose_under_rule
 from ..policy.plan import Plan
 from ..policy.topology import Topology
-from .variability import Realization
+from .dp_comm import DPComm, replicas_iteration_time
+from .simulator import median
+from .variability import Realization, Variability, sample_realization
 
 _FINISH = 1  # policy/dryrun.py's event kinds: 0 a message arrives, 1 a task finishes
 
@@ -138,4 +155,41 @@ def run_with_epochs(config: ArbiterConfig, topology: Topology, num_microbatches:
                   orders=[list(a.dispatched) for a in arbiters], trace=trace)
 
 
-__all__ = ["DPPoint", "EpochBook", "Timeline", "megatron_orders", "policy_orders", "run_with_epochs", "static_timeline"]
+def variant_traces(config: ArbiterConfig, topology: Topology, num_microbatches: int, draws) -> dict:
+    """Every candidate variant's traces on ``draws`` (per seed, one ``Realization`` per DP
+    replica): {variant: (deferred chunks, [per seed: the replicas' traces])}."""
+    split = Plan.build(config, topology, num_microbatches).split_backward
+    out = {}
+    for variant in candidate_variants(topology.num_chunks):
+        timeline = timeline_for(config, topology, num_microbatches, split, variant)
+        out[variant] = (timeline.deferred, [[run_with_epochs(config, topology, num_microbatches, r, timeline).trace
+                                             for r in replicas] for replicas in draws])
+    return out
+
+
+def variant_times(traces: dict, topology: Topology, comm: DPComm) -> dict:
+    """{variant: median iteration} with the DP communication overlapped (a deferred chunk's
+    reductions after the last task)."""
+    return {variant: median([replicas_iteration_time(seed, topology.num_stages, topology.num_chunks, comm,
+                                                     overlap_grad_reduce=True, overlap_param_gather=True,
+                                                     deferred=deferred) for seed in per_seed])
+            for variant, (deferred, per_seed) in traces.items()}
+
+
+def best_variant(times: dict) -> EpochVariant:
+    """The fastest variant; the default one wherever it ties."""
+    return min(times, key=lambda v: (times[v], v != DEFAULT_VARIANT))
+
+
+def choose_variant(config: ArbiterConfig, topology: Topology, num_microbatches: int, variability: Variability,
+                   comm: DPComm, *, dp: int = 2, seeds=range(3)) -> tuple[EpochVariant, dict]:
+    """The variant with the smallest median simulated iteration, and every candidate's median;
+    ``dp`` replicas each draw their own durations per seed."""
+    draws = [[sample_realization(variability, topology, num_microbatches, 7919 * (seed + 1) + r) for r in range(dp)]
+             for seed in seeds]
+    times = variant_times(variant_traces(config, topology, num_microbatches, draws), topology, comm)
+    return best_variant(times), times
+
+
+__all__ = ["DPPoint", "EpochBook", "EpochVariant", "Timeline", "best_variant", "choose_variant", "megatron_orders",
+           "policy_orders", "run_with_epochs", "static_timeline", "variant_times", "variant_traces"]

@@ -11,9 +11,22 @@ import pytest
 from megatron_rrfp.launch.function import launch
 
 
-def _epochs_against_megatron(pp: int, hints: tuple) -> list:
+class _Forced(dict):
+    """The schedule state's variant table with one variant for every job (set from outside)."""
+
+    def __init__(self, variant) -> None:
+        super().__init__()
+        self.variant = variant
+
+    def get(self, key, default=None):
+        return self.variant
+
+
+def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), chunks: int = 2) -> list:
     import torch.distributed as dist
 
+    from megatron_rrfp.mcore.grad_sync import GradSyncController
+    from megatron_rrfp.mcore.state import ScheduleState
     from megatron_rrfp.runtime import executor
     from megatron_rrfp.selfcheck.equivalence import gpt_equivalence
 
@@ -21,34 +34,79 @@ def _epochs_against_megatron(pp: int, hints: tuple) -> list:
     original = executor.PipelineIteration.__init__
 
     def recording(self, *args, **kwargs):  # which iterations ran under the rule, from outside the package
-        books.append(kwargs.get("epochs") is not None)
+        book = kwargs.get("epochs")
+        books.append(book is not None and (tuple(sorted(book.timeline.deferred)), book.timeline.gathers_before))
         original(self, *args, **kwargs)
 
-    executor.PipelineIteration.__init__ = recording
+    made, launching = ScheduleState.__init__, GradSyncController._launch_after_loop
+    after_loop: list = []
+
+    def recording_launches(controller, chunks):  # which chunks' reductions went after the loop
+        chunks = list(chunks)
+        if chunks:
+            after_loop.append(tuple(chunks))
+        return launching(controller, chunks)
+
+    def forcing(state, *args, **kwargs):  # a state made between calls keeps the forced variant
+        made(state, *args, **kwargs)
+        if forced is not None:
+            state.epoch_variants = _Forced(forced)
+
+    executor.PipelineIteration.__init__, ScheduleState.__init__ = recording, forcing
+    GradSyncController._launch_after_loop = recording_launches
+    results = []
     try:
         ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
-        results = [gpt_equivalence(ctx, pp=pp, chunks=2, overlap=True, dp_overlap="epochs", hint=hint, iterations=2,
-                                   num_microbatches=2 * pp, device="cpu") for hint in hints]
+        for forced in variants:
+            if forced is not None:
+                ScheduleState.get().epoch_variants = _Forced(forced)
+            results += [gpt_equivalence(ctx, pp=pp, chunks=chunks, overlap=True, dp_overlap="epochs", hint=hint,
+                                        iterations=2, num_microbatches=2 * pp, device="cpu") for hint in hints]
     finally:
-        executor.PipelineIteration.__init__ = original
-    return results + [books]
+        executor.PipelineIteration.__init__, ScheduleState.__init__ = original, made
+        GradSyncController._launch_after_loop = launching
+    return results + [after_loop, books]
 
 
-def _check(results_per_rank: list, hints: tuple) -> None:
+def _check(results_per_rank: list, hints: tuple, variants: int = 1) -> list:
+    ran_everywhere, after_loop = [], []
     for results in results_per_rank:
-        *steps, books = results
-        assert [status for status, _ in steps] == ["PASS"] * len(hints), steps
-        assert all("2 chunks x DP=2, overlapped DP + distributed optimizer" in detail for _, detail in steps), steps
-        assert any(books) and books.count(True) == 2 * len(hints), books  # every training call ran the rule
+        *steps, launched, books = results
+        after_loop += launched
+        assert [status for status, _ in steps] == ["PASS"] * len(hints) * variants, steps
+        assert all("chunks x DP=2, overlapped DP + distributed optimizer" in detail for _, detail in steps), steps
+        ran = [b for b in books if b is not False]
+        assert len(ran) == 2 * len(hints) * variants, books  # every training call ran the rule
+        ran_everywhere += ran
+    return ran_everywhere, after_loop
 
 
 @pytest.mark.timeout(600)
 def test_epoch_rule_dp2_pp2_two_chunks_equals_megatron_with_and_without_the_split():
     hints = ("default", "bf")  # default splits the backward (B, W) where the model allows; bf does not
-    _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540, args=(2, hints)), hints)
+    _, after_loop = _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540, args=(2, hints)),
+                           hints)
+    assert after_loop == []  # the default variant reduces every chunk inside the loop
 
 
 @pytest.mark.timeout(600)
 def test_epoch_rule_dp2_pp4_two_chunks_equals_megatron_with_and_without_the_split():
     hints = ("default", "bf")
     _check(launch(_epochs_against_megatron, world_size=8, tp=1, pp=4, timeout=540, args=(4, hints)), hints)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_epoch_rule_variants_with_dp_collectives_out_of_the_loop_equal_megatron(chunks):
+    """The rule's other variants (the policy's order as the timeline; chunks reduced after the
+    loop, so they hold no DP point; every all-gather before the loop): the same losses and
+    gradients as Megatron's schedule."""
+    from megatron_rrfp.policy.epochs import EpochVariant
+
+    hints = ("default", "bf")
+    every = frozenset(range(chunks))
+    variants = (EpochVariant("policy", frozenset({0})), EpochVariant("megatron", every, gathers_before=chunks > 2))
+    ran, after_loop = _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540,
+                                    args=(2, hints, variants, chunks)), hints, len(variants))
+    assert set(ran) == {((0,), False), (tuple(every), chunks > 2)}, ran  # the timelines of those variants ran
+    assert set(after_loop) == {(0,), tuple(every)}, after_loop  # and their reductions went after the loop

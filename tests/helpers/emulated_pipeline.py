@@ -34,7 +34,7 @@ import torch
 
 from megatron_rrfp.policy.actions import Task
 from megatron_rrfp.policy.arbiter import ArbiterConfig
-from megatron_rrfp.policy.epochs import EpochBook, timeline_for
+from megatron_rrfp.policy.epochs import EpochBook, EpochVariant, candidate_variants, timeline_for
 from megatron_rrfp.policy.plan import Plan
 from megatron_rrfp.policy.topology import Topology
 from megatron_rrfp.runtime.agreement import TPAgreement
@@ -85,13 +85,16 @@ class EmulatedJob:
     dp_after_loop: bool = False  # --rrfp-dp-overlap after-loop: all-gathers before the loop, reductions after it
     dp_epochs: bool = False  # --rrfp-dp-overlap epochs: the DP epoch rule instead of the whole-stage agreement
     pair: bool = False  # ArbiterConfig.pair_forward_backward: a ready F and B run as one combined step
+    epochs_order: str = "megatron"  # the epoch rule's variant (policy.epochs.EpochVariant): its static order,
+    epochs_deferred: tuple = ()  # the chunks whose reductions leave the loop,
+    epochs_gathers_before: bool = False  # and whether every chunk's all-gathers come before it
 
     def describe(self) -> str:
         dp = (f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
               + (" grad-reduce" if self.overlap_grad_reduce else "")
               + (" param-gather" if self.overlap_param_gather else "")
               + (" after-loop" if self.dp_after_loop else "")
-              + (" epochs" if self.dp_epochs else "")) if self.dp > 1 else ""
+              + (f" epochs[{self.variant}]" if self.dp_epochs else "")) if self.dp > 1 else ""
         dp += " paired" if self.pair else ""
         return (f"PP={self.pp} TP={self.tp}{dp} chunks={self.chunks} M={self.microbatches} hint={self.hint} "
                 f"limit={self.buffer_limit} {self.protocol} seed={self.seed}")
@@ -103,6 +106,15 @@ class EmulatedJob:
         overlap = self.overlap_grad_reduce or self.overlap_param_gather
         return (self.dp > 1 and self.chunks > 1 and overlap and self.protocol != "rounds-dp-unagreed"
                 and not self.dp_after_loop and not self.dp_epochs)
+
+    @property
+    def variant(self) -> EpochVariant:
+        return EpochVariant(self.epochs_order, frozenset(self.epochs_deferred), self.epochs_gathers_before)
+
+    @property
+    def gathers_before_loop(self) -> bool:
+        """Every chunk's all-gathers before the first task (after-loop, or the rule's variant)."""
+        return self.dp_after_loop or (self.epoch_rule and self.epochs_gathers_before)
 
     @property
     def epoch_rule(self) -> bool:
@@ -153,7 +165,7 @@ class EmulatedWork:
         self._w_left = [self.job.microbatches] * chunks
         self._reduced: set = set()
         if self.dp_ops is not None and self.job.overlap_param_gather and (chunks > 1 or self.job.dp_after_loop):
-            for chunk in range(chunks if self.job.dp_after_loop else min(2, chunks)):
+            for chunk in range(chunks if self.job.gathers_before_loop else min(2, chunks)):
                 self._dp("gather", chunk)
 
     def finish_iteration(self) -> None:
@@ -188,7 +200,7 @@ class EmulatedWork:
     def forward(self, task: Task, input_tensor, send) -> None:
         out = self.device.empty((2,), torch.float32)
         first = self.topology.is_first(self.stage, task.chunk)
-        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.dp_after_loop
+        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.gathers_before_loop
                 and task.chunk not in self._f_seen):
             self._f_seen.add(task.chunk)
             if self.topology.num_chunks == 1:
@@ -217,7 +229,7 @@ class EmulatedWork:
 
         self._work(2.0, run, moe="B")
         self._b_left[task.chunk] -= 1
-        if self._reduces_now() and not self.split and self._b_left[task.chunk] == 0:
+        if self._reduces_now(task.chunk) and not self.split and self._b_left[task.chunk] == 0:
             self._dp("reduce", task.chunk)
         if send is not None:
             send(grad)
@@ -235,7 +247,7 @@ class EmulatedWork:
         f_first = self.topology.is_first(self.stage, f_task.chunk)
         b_last, b_first = self.topology.is_last(self.stage, b_task.chunk), self.topology.is_first(self.stage,
                                                                                                    b_task.chunk)
-        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.dp_after_loop
+        if (self.dp_ops is not None and self.job.overlap_param_gather and not self.job.gathers_before_loop
                 and f_task.chunk not in self._f_seen):
             self._f_seen.add(f_task.chunk)
             if self.topology.num_chunks == 1:
@@ -273,7 +285,7 @@ class EmulatedWork:
         self.device.compute(f_time / 2 + b_time / 2)
         self.saved[(f_task.microbatch, f_task.chunk)] = out
         self._b_left[b_task.chunk] -= 1
-        if self._reduces_now() and not self.split and self._b_left[b_task.chunk] == 0:
+        if self._reduces_now(b_task.chunk) and not self.split and self._b_left[b_task.chunk] == 0:
             self._dp("reduce", b_task.chunk)
         if f_send is not None:
             f_send(out)
@@ -283,11 +295,12 @@ class EmulatedWork:
     def weight(self, task: Task) -> None:
         self._work(1.0, None)
         self._w_left[task.chunk] -= 1
-        if self._reduces_now() and self._w_left[task.chunk] == 0:
+        if self._reduces_now(task.chunk) and self._w_left[task.chunk] == 0:
             self._dp("reduce", task.chunk)
 
-    def _reduces_now(self) -> bool:
-        return self.dp_ops is not None and self.job.overlap_grad_reduce and not self.job.dp_after_loop
+    def _reduces_now(self, chunk: int) -> bool:
+        return (self.dp_ops is not None and self.job.overlap_grad_reduce and not self.job.dp_after_loop
+                and not (self.job.epoch_rule and chunk in self.job.epochs_deferred))
 
 
 class _RoundsWithoutRingRule(RoundTransport):
@@ -464,7 +477,7 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
                 arbiter = plan.arbiter(stage)
                 book = None
                 if job.epoch_rule:
-                    timeline = timeline_for(plan.config, topology, job.microbatches, split)
+                    timeline = timeline_for(plan.config, topology, job.microbatches, split, job.variant)
                     book = (_PinnedOnly if job.protocol == "rounds-without-epoch-order" else EpochBook)(
                         timeline, topology, stage)
                 report = PipelineIteration(work=work, arbiter=arbiter, topology=topology, stage=stage,
@@ -539,7 +552,7 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
             dp = dict(dp=2, ep=rng.choice((1, 1, 2)), overlap_grad_reduce=grad, overlap_param_gather=param,
                       buckets=rng.choice((1, 2, 3)), dp_after_loop=chunks > 1 and rng.random() < 0.5)
             if dp_epochs:
-                dp.update(dp_after_loop=False, dp_epochs=chunks > 1)
+                dp.update(dp_after_loop=False, dp_epochs=chunks > 1, **_random_variant(seed * 1000 + i, chunks))
         jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches,
                                 hint=hint, buffer_limit=rng.choice((2, 4, 32)), protocol=protocol,
                                 seed=seed * 1000 + i, task_ms=(0.2, rng.choice((1.0, 3.0))),
@@ -561,14 +574,24 @@ def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0
     jobs = []
     for i in range(count):
         pp = rng.choice((3, 4))
-        jobs.append(EmulatedJob(pp=pp, chunks=rng.choice((2, 3)), microbatches=pp * rng.choice((1, 2)), dp=2,
+        chunks = rng.choice((2, 3))
+        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=pp * rng.choice((1, 2)), dp=2,
                                 hint=rng.choice(("bf", "bfw")), buffer_limit=rng.choice((2, 4, 32)),
                                 overlap_grad_reduce=True, overlap_param_gather=rng.random() < 0.5,
                                 buckets=rng.choice((1, 3)), straggler=rng.choice((3.0, 6.0)),
                                 host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
                                 task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
-                                quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop, dp_epochs=dp_epochs))
+                                quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop, dp_epochs=dp_epochs,
+                                **(_random_variant(seed * 1000 + i, chunks) if dp_epochs else {})))
     return jobs
+
+
+def _random_variant(seed: int, chunks: int) -> dict:
+    """One of the epoch rule's variants (``policy.epochs.candidate_variants``), drawn apart from
+    the job's other fields so the same seeds give the same layouts as before."""
+    variant = random.Random(f"variant-{seed}").choice(candidate_variants(chunks))
+    return dict(epochs_order=variant.order, epochs_deferred=tuple(sorted(variant.deferred)),
+                epochs_gathers_before=variant.gathers_before)
 
 
 def paired_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:

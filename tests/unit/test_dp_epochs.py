@@ -67,3 +67,61 @@ def test_replicas_iteration_time_waits_for_the_slower_replica():
     assert both == pytest.approx(one)
     channel = DPChannel(1.0)
     assert channel.queue(0.0, 2.0) == 3.0 and channel.queue(5.0, 1.0) == 6.0
+
+
+@pytest.mark.parametrize("pp,chunks", LAYOUTS)
+def test_chunks_reduced_after_the_loop_hold_no_dp_point_and_the_rest_keep_theirs(pp, chunks):
+    from megatron_rrfp.policy.epochs import candidate_variants, timeline_for
+
+    topology, m, config = Topology(pp, chunks), 2 * pp, policy("default")
+    variants = candidate_variants(chunks)
+    assert len(set(variants)) == 2 * (chunks + 1) + (chunks > 2)
+    for variant in variants:
+        timeline = timeline_for(config, topology, m, True, variant)
+        assert timeline.deferred == variant.deferred and timeline.gathers_before == variant.gathers_before
+        reduced = {(p.stage, p.chunk) for p in timeline.points if p.what == "reduce"}
+        assert reduced == {(s, c) for s in range(pp) for c in range(chunks) if c not in variant.deferred}
+        gathers = 0 if variant.gathers_before else pp * max(0, chunks - 2)
+        assert sum(p.what == "gather" for p in timeline.points) == gathers
+
+
+def test_without_any_dp_point_the_rule_holds_nothing_back():
+    """Two chunks, both reduced after the loop: no DP point, every message of epoch 0, so the
+    book allows every ready task and every round, and the replicas' iteration completes."""
+    from megatron_rrfp.policy.epochs import EpochBook, EpochVariant, timeline_for
+
+    topology, m, config = Topology(4, 2), 8, policy("default")
+    timeline = timeline_for(config, topology, m, True, EpochVariant("megatron", frozenset({0, 1})))
+    assert timeline.points == [] and set(timeline.epoch.values()) == {0}
+    for stage in range(4):
+        book = EpochBook(timeline, topology, stage)
+        order = timeline.orders[stage]
+        assert book.allowed(set(order)) == set(order) and book.may_issue(0)
+    realization = sample_realization(Variability(**VARIABILITY_LEVELS["j3"]), topology, m, 0)
+    run = run_with_epochs(config, topology, m, realization, timeline)
+    assert sorted(map(len, run.orders)) == [3 * 2 * m] * 4
+
+
+def test_a_deferred_chunks_reductions_start_after_the_last_task():
+    trace = [(0, Task(Kind.F, 0, 0), 0.0, 1.0), (0, Task(Kind.F, 0, 1), 1.0, 2.0),
+             (0, Task(Kind.B, 0, 1), 2.0, 4.0), (0, Task(Kind.B, 0, 0), 4.0, 6.0)]
+    comm = DPComm(reduce_per_bucket=1.0, gather_per_bucket=0.0, buckets_per_chunk=1)
+
+    def time(deferred):
+        return replicas_iteration_time([trace], 1, 2, comm, overlap_grad_reduce=True, overlap_param_gather=True,
+                                       deferred=frozenset(deferred))
+    assert time(()) == pytest.approx(7.0)  # chunk 1's reduction hides behind chunk 0's backward
+    assert time({1}) == pytest.approx(8.0)  # both after the last task
+
+
+@pytest.mark.parametrize("comm_f0,buckets,defers", [(0.25, 1, True), (2.0, 8, False)])
+def test_the_simulator_chooses_fewer_dp_points_only_where_communication_is_light(comm_f0, buckets, defers):
+    """PP8 x 2 chunks under the reference jitter: light DP communication is cheaper after the
+    loop than the rule's pins; heavy communication keeps every reduction in the loop."""
+    from megatron_rrfp.sim.dp_epochs import choose_variant
+
+    comm = DPComm(reduce_per_bucket=comm_f0, gather_per_bucket=comm_f0, buckets_per_chunk=buckets)
+    chosen, times = choose_variant(policy("default"), Topology(8, 2), 16, Variability(**VARIABILITY_LEVELS["j3"]),
+                                   comm)
+    assert times[chosen] == min(times.values())
+    assert bool(chosen.deferred) is defers, (chosen, times)

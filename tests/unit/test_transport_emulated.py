@@ -73,8 +73,8 @@ def _pinned_at_dp_points(job: EmulatedJob, outcome) -> None:
 
     topology = Topology(job.pp, job.chunks)
     config = ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit)
-    timeline = timeline_for(config, topology, job.microbatches,
-                            Plan.build(config, topology, job.microbatches).split_backward)
+    plan = Plan.build(config, topology, job.microbatches)
+    timeline = timeline_for(plan.config, topology, job.microbatches, plan.split_backward, job.variant)
     for rank, orders in outcome.orders.items():
         stage = (rank % (job.pp * job.tp)) // job.tp
         static = timeline.orders[stage]
