@@ -15,6 +15,7 @@ and backward steps; ``finish()`` finishes gradient synchronisation and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from ..ranks import print_line
 from ..runtime.agreement import TPAgreement
 from ..runtime.executor import IterationReport, PipelineIteration
 from ..runtime.memory import ActivationMeter, model_tensors
-from . import auto_limit, byte_limit, compat, recovery
+from . import auto_limit, byte_limit, compat, epoch_tuning, recovery
 from .config import RRFPConfig
 from .dp_overlap import AFTER_LOOP, EPOCHS, LOCKSTEP, describe, dp_communication, overlapped_dp_communication_allowed
 from .grad_sync import GradSyncController
@@ -105,6 +106,8 @@ class ScheduleCall:
     grad_sync: Optional[GradSyncController] = None
     work: Optional[MegatronStageWork] = None
     report: Optional[IterationReport] = None
+    measuring: bool = False  # epoch_tuning's measuring call: the DP collectives out of the loop, timed
+    _gather_s: float = 0.0
     _embedding: Any = None
     _open: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -123,13 +126,17 @@ class ScheduleCall:
                                             forward_only=inputs.forward_only, in_loop=place.dp_mode != AFTER_LOOP,
                                             after_loop_chunks=book.timeline.deferred if book else frozenset(),
                                             gathers_before=book is not None and book.timeline.gathers_before)
-        self.grad_sync.start()
+        if self.measuring:
+            self._gather_s = epoch_tuning.timed(place.device, self.grad_sync.start)
+        else:
+            self.grad_sync.start()
         self.work = self._stage_work()
         iteration = PipelineIteration(
             work=self.work, arbiter=self.arbiter, topology=place.topology, stage=place.stage,
             stage_ranks=place.pp_ranks, transport=self.session.transport, inbox=self.session.inbox,
             agreement=self.agreement, timeout_s=self.options.timeout_s, forward_only=inputs.forward_only,
-            record_spans=self.options.record_spans, memory=self.meter, measure_task_bytes=self.in_bytes.calibrating,
+            record_spans=self.options.record_spans or self.measuring, memory=self.meter,
+            measure_task_bytes=self.in_bytes.calibrating,
             around_task=self.options.around_task, deliver_message=self.options.deliver_message,
             epochs=book)
         self.report = iteration.run()
@@ -142,14 +149,15 @@ class ScheduleCall:
         """Gradient sync and ``finalize_model_grads`` done, the measurements recorded; the
         losses in microbatch order on the last stage (``[]`` elsewhere), as megatron-core's."""
         config, inputs, report, arbiter = self.place.config, self.inputs, self.report, self.arbiter
-        self.grad_sync.finish()
-        if config.finalize_model_grads_func is not None and not inputs.forward_only:
-            compat.finish_embedding_wgrad_compute(config, self._embedding, self.place.is_last_stage,
-                                                  self.place.groups.tp)
-            compat.finalize_model_grads(config, inputs.models,
-                                         self.work.total_num_tokens if config.calculate_per_token_loss else None,
-                                         pg_collection=self.place.groups.collection,
-                                         force_all_reduce=inputs.force_all_reduce)
+        if self.measuring:
+            reduce_s = epoch_tuning.timed(self.place.device, self._sync_and_finalize)
+            epoch_tuning.record(self.state, epoch_variant_key(inputs.models, self.place.topology,
+                                                              inputs.num_microbatches),
+                                report, inputs.models, gather_s=self._gather_s, reduce_s=reduce_s)
+            if not self.options.record_spans:
+                report.spans = []
+        else:
+            self._sync_and_finalize()
         self._open.close()  # the meter's peak is final
         report.peak_activation_bytes, report.activation_measure = self.meter.peak_bytes, self.meter.method
         report.buffer_limit = 0 if inputs.forward_only or self.options.arbiter.strict else arbiter.buffer_limit
@@ -163,6 +171,17 @@ class ScheduleCall:
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return self.work.losses_in_microbatch_order()
+
+    def _sync_and_finalize(self) -> None:
+        config, inputs = self.place.config, self.inputs
+        self.grad_sync.finish()
+        if config.finalize_model_grads_func is not None and not inputs.forward_only:
+            compat.finish_embedding_wgrad_compute(config, self._embedding, self.place.is_last_stage,
+                                                  self.place.groups.tp)
+            compat.finalize_model_grads(config, inputs.models,
+                                         self.work.total_num_tokens if config.calculate_per_token_loss else None,
+                                         pg_collection=self.place.groups.collection,
+                                         force_all_reduce=inputs.force_all_reduce)
 
     def abandon(self) -> None:
         """After a failure in ``run()`` or ``finish()``: the meter closed, ``no_sync`` exited,
@@ -211,6 +230,15 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                   forward_only=inputs.forward_only)  # pairs F and B; never splits them
     options = with_split_capability(options, inputs.models, state=state,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
+    measuring = False
+    if place.dp_mode == EPOCHS and not inputs.forward_only:  # which of the rule's variants (epoch_tuning.py)
+        job = epoch_variant_key(inputs.models, place.topology, inputs.num_microbatches)
+        step = epoch_tuning.phase(state, job)
+        if step == "choose":
+            epoch_tuning.choose(state, job, options.arbiter, place.topology, inputs.num_microbatches, place.device)
+        measuring = step == "measure"
+        if measuring:  # safe on the rounds transport as it is: the replicas meet only outside the loop
+            place = dataclasses.replace(place, dp_mode=AFTER_LOOP)
     where = dict(models=inputs.models, topology=place.topology, num_microbatches=inputs.num_microbatches,
                  stage=place.stage, forward_only=inputs.forward_only, device=place.device, pp_group=place.groups.pp,
                  agreement_group=runtime.agreement_group)
@@ -228,7 +256,8 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                 num_chunks=len(inputs.models), split_backward=arbiter.split_backward,
                                 forward_only=inputs.forward_only, device=runtime.device)
     return ScheduleCall(state=state, options=options, inputs=inputs, place=place, session=runtime, limit=limit,
-                        in_bytes=in_bytes, arbiter=arbiter, meter=meter, wgrad_store=store, agreement=agreement)
+                        in_bytes=in_bytes, arbiter=arbiter, meter=meter, wgrad_store=store, agreement=agreement,
+                        measuring=measuring)
 
 
 def _transport_for(options: RRFPConfig, dp_mode: str) -> str:

@@ -41,9 +41,10 @@ Three ways make them safe there (``--rrfp-dp-overlap``, ``dp_communication``):
 
 ``auto`` reads the epoch rule: the one choice the simulator and the bench put at or above Megatron's
 overlapped schedule with light and heavy DP communication alike (after-loop leaves it exposed, lock-step
-inherits the slower replica); where DP communication is light against the pipeline's work after-loop
-can be ahead. Figures and when to name another: docs/production-configurations.md and
-docs/design/dp-epochs.md. CPU runs (gloo, host-synchronous) and DP = 1 need nothing; a named choice
+inherits the slower replica); which DP points it keeps is chosen per job by the simulator on the job's
+first iteration (``epoch_tuning.py``), so light DP communication leaves the loop as after-loop's does.
+Figures and when to name another: docs/production-configurations.md and docs/design/dp-epochs.md.
+CPU runs (gloo, host-synchronous) and DP = 1 need nothing; a named choice
 applies on any device where there is something to place.
 """
 from __future__ import annotations
@@ -99,7 +100,8 @@ def describe(mode: str, choice: str, models, data_parallel_size: int) -> str:
     flags = " ".join("--" + f.split("(--")[1].rstrip(")") for f in overlapping_flags(models))
     where = {LOCKSTEP: "in the task loop, every DP replica of a stage in the agreement (lock-step)",
              EPOCHS: "in the task loop at fixed DP points, rounds in epoch order (replicas independent between "
-                     "DP points)"}.get(mode, "parameter all-gathers before the task loop, reductions after it "
+                     "DP points); the first iteration runs them after the loop and measures which DP points "
+                     "to keep"}.get(mode, "parameter all-gathers before the task loop, reductions after it "
                                          "(replicas independent)")
     why = f"--rrfp-dp-overlap {choice}" + ("; 'after-loop' or 'lockstep' name the others" if choice == "auto" else "")
     layout = f"DP {data_parallel_size}" + (f" x {len(models)} chunks" if len(models) > 1 else "")

@@ -21,6 +21,9 @@ class _Forced(dict):
     def get(self, key, default=None):
         return self.variant
 
+    def __contains__(self, key) -> bool:
+        return True
+
 
 def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), chunks: int = 2) -> list:
     import torch.distributed as dist
@@ -68,7 +71,9 @@ def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), c
     return results + [after_loop, books]
 
 
-def _check(results_per_rank: list, hints: tuple, variants: int = 1) -> list:
+def _check(results_per_rank: list, hints: tuple, variants: int = 1, *, measured: bool = True) -> list:
+    """Every run PASSed; each job's first training call measured (no book: epoch_tuning.py) where
+    ``measured``, and every other training call ran the rule."""
     ran_everywhere, after_loop = [], []
     for results in results_per_rank:
         *steps, launched, books = results
@@ -76,7 +81,8 @@ def _check(results_per_rank: list, hints: tuple, variants: int = 1) -> list:
         assert [status for status, _ in steps] == ["PASS"] * len(hints) * variants, steps
         assert all("chunks x DP=2, overlapped DP + distributed optimizer" in detail for _, detail in steps), steps
         ran = [b for b in books if b is not False]
-        assert len(ran) == 2 * len(hints) * variants, books  # every training call ran the rule
+        assert books.count(False) == (len(hints) * variants if measured else 0), books
+        assert len(ran) == (2 - measured) * len(hints) * variants, books
         ran_everywhere += ran
     return ran_everywhere, after_loop
 
@@ -86,7 +92,7 @@ def test_epoch_rule_dp2_pp2_two_chunks_equals_megatron_with_and_without_the_spli
     hints = ("default", "bf")  # default splits the backward (B, W) where the model allows; bf does not
     _, after_loop = _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540, args=(2, hints)),
                            hints)
-    assert after_loop == []  # the default variant reduces every chunk inside the loop
+    assert after_loop.count((0, 1)) >= 4 * len(hints), after_loop  # each rank's measuring call: after its loop
 
 
 @pytest.mark.timeout(600)
@@ -107,6 +113,6 @@ def test_epoch_rule_variants_with_dp_collectives_out_of_the_loop_equal_megatron(
     every = frozenset(range(chunks))
     variants = (EpochVariant("policy", frozenset({0})), EpochVariant("megatron", every, gathers_before=chunks > 2))
     ran, after_loop = _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540,
-                                    args=(2, hints, variants, chunks)), hints, len(variants))
+                                    args=(2, hints, variants, chunks)), hints, len(variants), measured=False)
     assert set(ran) == {((0,), False), (tuple(every), chunks > 2)}, ran  # the timelines of those variants ran
     assert set(after_loop) == {(0,), tuple(every)}, after_loop  # and their reductions went after the loop

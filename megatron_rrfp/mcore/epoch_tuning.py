@@ -1,0 +1,124 @@
+"""The DP epoch rule's variant for this job, chosen by the simulator on what the job measured.
+
+Which of the rule's variants (``policy.epochs.EpochVariant``: the static order, which chunks
+reduce after the loop, where the all-gathers go) is fastest depends on the job's compute
+jitter and on its DP communication against its pipeline's work, which are unknown at
+start-up. So, per (model chunks, layout, M), as ``auto_limit`` does for the buffer limit:
+
+1. measure: the first training call keeps the DP collectives out of the task loop
+   (``after-loop``: safe, exact, replicas independent) and times, on this rank, its tasks
+   (device time on CUDA: the executor's trace spans), the all-gathers before the loop and the
+   reductions after it (one synchronisation each, this call only);
+2. choose: the next training call, on every rank at once, averages the task figures over the
+   world and takes the slowest rank's DP communication (collectives over the default group),
+   and global rank 0 runs ``sim.dp_epochs.choose_variant`` on them and broadcasts the choice;
+   rank 0 prints it once. From then on every call of that job runs the chosen variant.
+
+The simulator's message latency is not measured: it takes the reference level's whose compute
+jitter is nearest the measured one (``sim.variability.VARIABILITY_LEVELS``).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..policy.epochs import DEFAULT_VARIANT, EpochVariant, candidate_variants
+from ..ranks import print_line
+
+
+@dataclass(slots=True)
+class Measured:
+    """One rank's figures from its measuring call."""
+
+    forward_s: list = field(default_factory=list)
+    backward_s: list = field(default_factory=list)  # B, or B + W of one microbatch under the split
+    gather_s: float = 0.0  # every chunk's all-gathers before the loop
+    reduce_s: float = 0.0  # every chunk's reductions after it, until finalize_model_grads returned
+    buckets: int = 0  # DDP bucket groups over the chunks
+
+    def figures(self, num_chunks: int) -> list[float]:
+        """[f0, backward ratio, compute sigma, buckets per chunk, reduction and all-gather per
+        bucket (units of f0)]."""
+        if not self.forward_s or not self.backward_s:
+            return [0.0] * 6
+        forward, backward = statistics.median(self.forward_s), statistics.median(self.backward_s)
+        logs = [math.log(d / forward) for d in self.forward_s if d > 0] + \
+            [math.log(d / backward) for d in self.backward_s if d > 0]
+        sigma = statistics.pstdev(logs) if len(logs) > 1 else 0.0
+        f0 = forward * num_chunks  # the simulator's f0: a whole stage's forward, every chunk
+        per_chunk = max(1, round(self.buckets / num_chunks))
+        per_bucket = per_chunk * num_chunks * f0
+        return [f0, backward / forward, sigma, per_chunk, self.reduce_s / per_bucket, self.gather_s / per_bucket]
+
+
+def phase(state, job_key: tuple) -> str:
+    """"measure" (the job's first training call), "choose" (its second) or "chosen"."""
+    if job_key in state.epoch_variants:
+        return "chosen"
+    return "choose" if job_key in state.epoch_measured else "measure"
+
+
+def record(state, job_key: tuple, report, models, *, gather_s: float, reduce_s: float) -> None:
+    """Keep the measuring call's figures (its trace spans: one per task)."""
+    measured = Measured(gather_s=gather_s, reduce_s=reduce_s,
+                        buckets=sum(len(getattr(m, "bucket_groups", ())) for m in models))
+    backward: dict = {}
+    for span in report.spans:
+        if span.category == "F":
+            measured.forward_s.append(span.end - span.start)
+        elif span.category in ("B", "W"):
+            backward[span.name.replace("W", "B")] = backward.get(span.name.replace("W", "B"), 0.0) + \
+                span.end - span.start
+    measured.backward_s = list(backward.values())
+    state.epoch_measured[job_key] = measured
+
+
+def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: int, device) -> EpochVariant:
+    """Every rank at once (module docstring, step 2): the job's variant, kept in ``state``."""
+    from ..sim.dp_comm import DPComm
+    from ..sim.dp_epochs import choose_variant
+    from ..sim.variability import VARIABILITY_LEVELS, Variability
+
+    mine = state.epoch_measured[job_key].figures(topology.num_chunks)
+    mean = torch.tensor(mine[:3] + [1.0], dtype=torch.float64, device=device)
+    slowest = torch.tensor(mine[3:], dtype=torch.float64, device=device)  # buckets per chunk, comm per bucket
+    dist.all_reduce(mean)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    variants = candidate_variants(topology.num_chunks)
+    if dist.get_rank() == 0:
+        count = mean[3].item()
+        _, ratio, sigma = (v / count for v in mean[:3].tolist())
+        buckets, reduce, gather = slowest.tolist()
+        level = min(VARIABILITY_LEVELS.values(), key=lambda lv: abs(lv["sigma_compute"] - sigma))
+        variability = Variability(backward_ratio=max(ratio, 0.1), sigma_compute=sigma, c50=level["c50"],
+                                  sigma_msg=level["sigma_msg"])
+        comm = DPComm(reduce_per_bucket=reduce, gather_per_bucket=gather, buckets_per_chunk=max(1, round(buckets)))
+        began = time.perf_counter()
+        chosen, _ = choose_variant(arbiter_config, topology, num_microbatches, variability, comm)
+        index[0] = variants.index(chosen)
+        print_line(f"megatron-rrfp: the DP epoch rule runs with {chosen} (simulated on this job's measured "
+                   f"compute jitter {sigma:.2f}, B/F {ratio:.2f}, DP reduction {reduce:.2f} f0 and all-gather "
+                   f"{gather:.2f} f0 per bucket; {time.perf_counter() - began:.1f} s)")
+    dist.broadcast(index, src=0)
+    state.epoch_variants[job_key] = variants[int(index.item())]
+    return state.epoch_variants[job_key]
+
+
+def timed(device, func):
+    """``func()``'s wall time with the device drained before and after (the measuring call only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    func()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+__all__ = ["DEFAULT_VARIANT", "Measured", "choose", "phase", "record", "timed"]
