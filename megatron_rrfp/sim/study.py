@@ -197,6 +197,13 @@ def format_report(report: dict) -> str:
         from .optimal import format_optimum
 
         rows.append(format_optimum(report))
+    else:
+        from .optimal import MAX_TASKS, task_count
+
+        if task_count(Topology(report["pipeline_size"], report["num_chunks"]), report["num_microbatches"],
+                      split_backward=True) <= MAX_TASKS:  # a layout --optimal takes
+            rows.append("/LB can overstate the room left (a loose bound with interleaving and jitter: "
+                        "docs/simulator.md); --optimal prints each policy over the clairvoyant optimum beside it")
     return "\n".join(rows)
 
 

@@ -1,5 +1,6 @@
 """bench --optimal: each run's clairvoyant optimum on the iterations' emulated times (sim/optimal.py),
-printed beside /LB; refused in one line before any rank starts where it cannot be computed."""
+printed beside /LB; refused in one line before any rank starts where it cannot be computed. Without it,
+bench and simulate say in one line that /LB can overstate the room left."""
 from __future__ import annotations
 
 import importlib.util
@@ -95,3 +96,14 @@ def test_bench_optimal_without_the_solver_names_the_extra():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].endswith("--optimal needs OR-Tools' CP-SAT solver: pip install "
                                                           "megatron-rrfp[optimal]")
+
+
+def test_simulate_without_optimal_points_to_it_where_the_layout_allows(capsys):
+    from megatron_rrfp.cli import main
+
+    note = "/LB can overstate the room left"
+    assert main(["simulate", "--pp", "2", "-m", "4", "--chunks", "2", "--reference", "--seeds", "1",
+                 "--policies", "default"]) == 0
+    assert note in capsys.readouterr().out.splitlines()[-1]
+    assert main(["simulate", "--pp", "8", "-m", "64", "--reference", "--seeds", "1", "--policies", "default"]) == 0
+    assert note not in capsys.readouterr().out  # above the optimum's size: nothing to point to
