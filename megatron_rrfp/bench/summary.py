@@ -63,7 +63,8 @@ def summarize(config, per_rank: list[dict]) -> dict:
             orders[-1].append(simulated.orders)
             if config.dp_reduce_ms or config.dp_gather_ms:
                 sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization,
-                                                                     rrfp=run.schedule != "megatron-1f1b"))
+                                                                     rrfp=run.schedule != "megatron-1f1b",
+                                                                     variability=variability))
             if host_costs[run.key] is not None:
                 sims_host.setdefault(run.key, []).append(simulate(
                     arbiter_config, topology, config.num_microbatches,
@@ -137,29 +138,41 @@ def _add_optimum(config, runs, bench_runs, topology, realizations, orders, sim_l
         report["over_optimum"] = report["iteration_time_s"]["median"] / optimum["makespan_median"]
 
 
-def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool) -> float:
+def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool, variability) -> float:
     """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
     bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
     choice of ``mcore/dp_overlap.py`` as it runs: after-loop as DP communication at the end, the
-    epoch rule through ``sim/dp_epochs.py`` on the timeline the executor uses."""
+    epoch rule through ``sim/dp_epochs.py`` in the variant the simulator chooses for the bench's
+    own jitter and DP communication (what ``mcore/epoch_tuning.py`` estimates from a measured call)."""
     from ..mcore.dp_overlap import AFTER_LOOP, EPOCHS, dp_communication_of_layout
+    from ..policy.epochs import timeline_for
+    from ..policy.plan import Plan
     from ..sim.dp_comm import DPComm, iteration_time
-    from ..sim.dp_epochs import run_with_epochs
+    from ..sim.dp_epochs import choose_variant, run_with_epochs
     from ..sim.simulator import simulate
 
     mode = rrfp and dp_communication_of_layout(
         overlap=config.overlap_grad_reduce or config.overlap_param_gather, num_chunks=topology.num_chunks,
         device_type=config.device, data_parallel_size=config.data_parallel, choice=config.dp_overlap)
     m = config.num_microbatches
-    if mode == EPOCHS:  # on the timeline the executor uses (run_with_epochs' default)
-        trace = run_with_epochs(arbiter_config, topology, m, realization).trace
-    else:
-        trace = simulate(arbiter_config, topology, m, realization, record_trace=True).trace
     comm = DPComm(reduce_per_bucket=config.dp_reduce_ms / 1e3, gather_per_bucket=config.dp_gather_ms / 1e3,
                   buckets_per_chunk=1)
+    deferred = frozenset()
+    if mode == EPOCHS:
+        key = (arbiter_config, topology, m)
+        if key not in _CHOSEN:
+            _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm)[0]
+        timeline = timeline_for(arbiter_config, topology, m, Plan.build(arbiter_config, topology, m).split_backward,
+                                _CHOSEN[key])
+        trace, deferred = run_with_epochs(arbiter_config, topology, m, realization, timeline).trace, timeline.deferred
+    else:
+        trace = simulate(arbiter_config, topology, m, realization, record_trace=True).trace
     return iteration_time(trace, topology.num_stages, topology.num_chunks, comm,
                           overlap_grad_reduce=config.overlap_grad_reduce and mode != AFTER_LOOP,
-                          overlap_param_gather=config.overlap_param_gather and mode != AFTER_LOOP)
+                          overlap_param_gather=config.overlap_param_gather and mode != AFTER_LOOP, deferred=deferred)
+
+
+_CHOSEN: dict = {}  # (arbiter config, layout, M) -> the epoch rule's variant the simulator chose
 
 
 def _per_stage(per_rank: list[dict], schedule: str, key: str) -> list:

@@ -68,10 +68,11 @@ def bucket_durations(total: float, sizes) -> list[float]:
 
 
 def iteration_time(trace, num_stages: int, num_chunks: int, comm: DPComm, *, overlap_grad_reduce: bool,
-                   overlap_param_gather: bool) -> float:
-    """The iteration's time with DP communication (module docstring); ``trace``: (stage, task, start, end)."""
+                   overlap_param_gather: bool, deferred: frozenset = frozenset()) -> float:
+    """The iteration's time with DP communication (module docstring); ``trace``: (stage, task, start, end);
+    the chunks in ``deferred`` reduce after the last task."""
     return replicas_iteration_time([trace], num_stages, num_chunks, comm, overlap_grad_reduce=overlap_grad_reduce,
-                                   overlap_param_gather=overlap_param_gather)
+                                   overlap_param_gather=overlap_param_gather, deferred=deferred)
 
 
 def replicas_iteration_time(traces, num_stages: int, num_chunks: int, comm: DPComm, *, overlap_grad_reduce: bool,

@@ -114,6 +114,7 @@ def test_rrfp_default_gives_megatrons_losses(tree, case, tmp_path):
             assert "linears deferred to W" in rrfp["log"], rrfp["log"][-6000:]
         if extra[:2] == EPOCHS:  # the rule ran: the job's one line says where DP communication goes
             assert "in the task loop at fixed DP points" in rrfp["log"], rrfp["log"][-6000:]
+            assert "the DP epoch rule runs with" in rrfp["log"], rrfp["log"][-6000:]  # after the measuring call
         if flags[:len(PRODUCTION)] == PRODUCTION:  # Megatron-LM kept them (its arguments print, both runs)
             for name in ("overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer"):
                 for run in (rrfp, reference):

@@ -297,6 +297,7 @@ def test_dp2_interleaved_epoch_rule_same_losses_as_megatron_with_and_without_the
     for run in runs:
         assert ("megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: in the task loop "
                 "at fixed DP points") in run.stdout, run.stdout[-2000:]
+        assert "the DP epoch rule runs with" in run.stdout, run.stdout[-2000:]  # chosen after the measuring call
     assert "without the B/W split" not in runs[0].stdout, runs[0].stdout[-2000:]
     reference = losses(megatron)
     assert reference.keys() == {1, 2, 3}
