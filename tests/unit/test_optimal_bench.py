@@ -40,6 +40,7 @@ def test_bench_optimal_prints_the_optimum_beside_the_bound():
         assert len(optimum["makespan_per_iteration"]) == 2 and all(optimum["proven_per_iteration"])
         # never below the bound the /LB column divides by, so /opt never claims more room than /LB
         assert 0 < optimum["lower_bound_over_optimal"] <= 1 + 1e-9
+        assert optimum["solver_bound_over_lower_bound"] >= 1.0  # what the solver proved, never below the bound
         assert run["over_optimum"] <= run["over_lower_bound"] * (1 + 1e-9)
         # the optimum of what the run may do is no slower than what its policy does on the same times
         assert optimum["makespan_median"] <= run["simulated_iteration_time_s"] * (1 + 1e-3)
@@ -52,6 +53,7 @@ def test_bench_optimal_prints_the_optimum_beside_the_bound():
     header = next(line for line in table.splitlines() if line.startswith("schedule"))
     assert header.split()[-2:] == ["/opt", "/LB"]
     assert "/opt: median time over the median clairvoyant optimum" in table and "proven on 6 of 6" in table
+    assert "the solver proved the optimum at least" in table
 
 
 def test_without_optimal_the_table_says_the_bound_may_overstate_the_room():
