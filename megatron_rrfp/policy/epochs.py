@@ -161,6 +161,10 @@ class EpochBook:
         self._advance()
         self.passed = 0  # own DP points dispatched
         self._before_next = 0  # tasks dispatched that come before the next own DP point
+        # this stage's forwards in static order (their epochs never decrease along it) and the first not run
+        self._forwards = [t for t in timeline.orders[stage] if t.kind is Kind.F]
+        self._forwards_run: set = set()
+        self._next_forward = 0
 
     def peer(self, stage: int, task: Task) -> Optional[int]:
         """The stage that receives what ``task`` on ``stage`` sends, None if nothing."""
@@ -189,7 +193,13 @@ class EpochBook:
         return self.points[self.passed] if self.passed < len(self.points) else None
 
     def allowed(self, ready) -> set:
-        """The ready tasks the rule lets this stage dispatch now (rules 1 and 3)."""
+        """The ready tasks the rule lets this stage dispatch now (rules 1 and 3, and forwards in
+        epoch order: a forward may not take the memory an earlier epoch's forward still needs)."""
+        while self._next_forward < len(self._forwards) and self._forwards[self._next_forward] in self._forwards_run:
+            self._next_forward += 1
+        if self._next_forward < len(self._forwards):
+            bound = self.timeline.epoch[(self.stage, self._forwards[self._next_forward])]
+            ready = {t for t in ready if t.kind is not Kind.F or self.timeline.epoch[(self.stage, t)] <= bound}
         g = self.next_point
         if g is None:
             return set(ready)
@@ -207,6 +217,8 @@ class EpochBook:
 
     def dispatched(self, task: Task) -> Optional[DPPoint]:
         """Record a dispatch; the DP point it holds, if it holds this stage's next one."""
+        if task.kind is Kind.F:
+            self._forwards_run.add(task)
         g = self.next_point
         if g is None or self.timeline.points[g].task != task:
             self._before_next += 1

@@ -127,3 +127,20 @@ def test_the_simulator_chooses_fewer_dp_points_only_where_communication_is_light
                                    comm)
     assert times[chosen] == min(times.values())
     assert bool(chosen.deferred) is defers, (chosen, times)
+
+
+@pytest.mark.parametrize("pp,chunks,m,seeds", [(8, 4, 32, range(4)), (16, 4, 64, range(2))])
+def test_long_interleaved_jobs_complete_under_every_variant(pp, chunks, m, seeds):
+    """Many microbatches per stage: a stage that ran ahead on one chunk's forwards (their messages
+    held to a later epoch) must not take the memory an earlier epoch's forward needs — that
+    stalled PP8 x 4 chunks at M=32 before forwards ran in epoch order."""
+    from megatron_rrfp.policy.epochs import candidate_variants, timeline_for
+
+    topology, config = Topology(pp, chunks), policy("default")
+    variants = candidate_variants(chunks) if pp <= 8 else candidate_variants(chunks)[:1]
+    for variant in variants:
+        timeline = timeline_for(config, topology, m, True, variant)
+        for seed in seeds:
+            realization = sample_realization(Variability(**VARIABILITY_LEVELS["j3"]), topology, m, seed)
+            run = run_with_epochs(config, topology, m, realization, timeline)  # raises DeadlockError on a stall
+            assert sorted(map(len, run.orders)) == [3 * chunks * m] * pp
