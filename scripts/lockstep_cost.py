@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--comm", default="0.25,0.5,1,2", help="--grid: reduction = all-gather time per bucket (f0)")
     parser.add_argument("--bucket-counts", default="1,2,4,8", help="--grid: buckets per chunk")
     parser.add_argument("--csv", metavar="PATH", help="--grid: every cell's medians as CSV")
-    parser.add_argument("--choice-seeds", type=int, default=3, help="--grid: seeds the rule's variant is chosen on "
-                        "(other draws than the evaluated ones)")
+    parser.add_argument("--choice-seeds", type=int, default=0, help="--grid: seeds the rule's variant is chosen on "
+                        "(other draws than the evaluated ones; 0: as a job chooses, sim.dp_epochs.choice_seeds)")
     args = parser.parse_args(argv)
     if args.grid:
         return grid(parser, args)
@@ -136,7 +136,7 @@ def grid(parser, args) -> int:
     from megatron_rrfp.policy.epochs import DEFAULT_VARIANT
     from megatron_rrfp.policy.topology import Topology
     from megatron_rrfp.sim.dp_comm import DPComm, replicas_iteration_time
-    from megatron_rrfp.sim.dp_epochs import best_variant, variant_times, variant_traces
+    from megatron_rrfp.sim.dp_epochs import best_variant, choice_seeds, variant_times, variant_traces
     from megatron_rrfp.sim.simulator import median, policy, simulate
     from megatron_rrfp.sim.variability import VARIABILITY_LEVELS, Variability, lockstep, sample_realization
 
@@ -156,7 +156,8 @@ def grid(parser, args) -> int:
     rows, below = [], []
     print(f"DP {args.dp}, M = {args.microbatches_per_stage} x PP, 1x, {args.seeds} seeds, DP communication per bucket "
           f"(reduction = all-gather) {args.comm} f0, buckets per chunk {args.bucket_counts}; the epoch rule with "
-          f"the variant its simulator chooses ({args.choice_seeds} other seeds) over each; worst / median per row")
+          f"the variant its simulator chooses ({args.choice_seeds or 'as a job does:'} other seeds) over each; "
+          "worst / median per row")
     print("| PP | chunks | var | vs Megatron | vs after-loop | vs lock-step "
           "| fixed variant vs Megatron; vs after-loop |")
     print("|---|---|---|---|---|---|---|")
@@ -170,7 +171,7 @@ def grid(parser, args) -> int:
                               for seed in range(args.seeds)]
                 choice = variant_traces(rrfp, topology, m, [
                     [sample_realization(variability, topology, m, 7919 * (seed + 1) + r) for r in range(args.dp)]
-                    for seed in range(args.choice_seeds)])
+                    for seed in range(args.choice_seeds or choice_seeds(topology, m, args.dp))])
                 rule = variant_traces(rrfp, topology, m, evaluation)
                 traces = {"megatron": [[simulate(megatron, topology, m, r, record_trace=True).trace for r in replicas]
                                        for replicas in evaluation],
@@ -186,7 +187,7 @@ def grid(parser, args) -> int:
                             seed_traces, pp, chunks, comm, overlap_grad_reduce=name != "after-loop",
                             overlap_param_gather=name != "after-loop") for seed_traces in per_seed])
                             for name, per_seed in traces.items()}
-                        chosen = best_variant(variant_times(choice, topology, comm))
+                        chosen = best_variant(variant_times(choice, topology, comm), chunks)
                         times = variant_times(rule, topology, comm)
                         t["epochs-fixed"], t["epochs"] = times[DEFAULT_VARIANT], times[chosen]
                         cells.append((comm_f0, count, t))

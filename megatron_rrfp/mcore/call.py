@@ -235,7 +235,8 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
         job = epoch_variant_key(inputs.models, place.topology, inputs.num_microbatches)
         step = epoch_tuning.phase(state, job)
         if step == "choose":
-            epoch_tuning.choose(state, job, options.arbiter, place.topology, inputs.num_microbatches, place.device)
+            epoch_tuning.choose(state, job, options.arbiter, place.topology, inputs.num_microbatches, place.device,
+                                place.data_parallel_size)
         measuring = step == "measure"
         if measuring:  # safe on the rounds transport as it is: the replicas meet only outside the loop
             place = dataclasses.replace(place, dp_mode=AFTER_LOOP)

@@ -11,8 +11,9 @@ start-up. So, per (model chunks, layout, M), as ``auto_limit`` does for the buff
    reductions after it (one synchronisation each, this call only);
 2. choose: the next training call, on every rank at once, averages the task figures over the
    world and takes the slowest rank's DP communication (collectives over the default group),
-   and global rank 0 runs ``sim.dp_epochs.choose_variant`` on them and broadcasts the choice;
-   rank 0 prints it once. From then on every call of that job runs the chosen variant.
+   and global rank 0 runs ``sim.dp_epochs.choose_variant`` on them (the job's DP size up to
+   ``MODELLED_REPLICAS`` replicas, up to 8 seeds within a task budget) and broadcasts the
+   choice; rank 0 prints it once. From then on every call of that job runs the chosen variant.
 
 The simulator's message latency is not measured: it takes the reference level's whose compute
 jitter is nearest the measured one (``sim.variability.VARIABILITY_LEVELS``).
@@ -29,6 +30,10 @@ import torch.distributed as dist
 
 from ..policy.epochs import DEFAULT_VARIANT, EpochVariant, candidate_variants
 from ..ranks import print_line
+
+MODELLED_REPLICAS = 4
+"""DP replicas the choice simulates, each its own draw (a reduction waits for the slowest):
+the job's DP size up to this (more cost more and change the slowest draw little)."""
 
 
 @dataclass(slots=True)
@@ -78,7 +83,8 @@ def record(state, job_key: tuple, report, models, *, gather_s: float, reduce_s: 
     state.epoch_measured[job_key] = measured
 
 
-def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: int, device) -> EpochVariant:
+def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: int, device,
+           data_parallel_size: int) -> EpochVariant:
     """Every rank at once (module docstring, step 2): the job's variant, kept in ``state``."""
     from ..sim.dp_comm import DPComm
     from ..sim.dp_epochs import choose_variant
@@ -100,7 +106,8 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
                                   sigma_msg=level["sigma_msg"])
         comm = DPComm(reduce_per_bucket=reduce, gather_per_bucket=gather, buckets_per_chunk=max(1, round(buckets)))
         began = time.perf_counter()
-        chosen, _ = choose_variant(arbiter_config, topology, num_microbatches, variability, comm)
+        chosen, _ = choose_variant(arbiter_config, topology, num_microbatches, variability, comm,
+                                   dp=min(data_parallel_size, MODELLED_REPLICAS))
         index[0] = variants.index(chosen)
         print_line(f"megatron-rrfp: the DP epoch rule runs with {chosen} (simulated on this job's measured "
                    f"compute jitter {sigma:.2f}, B/F {ratio:.2f}, DP reduction {reduce:.2f} f0 and all-gather "

@@ -28,7 +28,6 @@ from ..policy.actions import Kind, Task
 from ..policy.arbiter import ArbiterConfig
 from ..policy.dryrun import DeadlockError, DryRun, _Pipeline, _task_time
 from ..policy.epochs import (
-    DEFAULT_VARIANT,
     DPPoint,
     EpochBook,
     EpochVariant,
@@ -176,20 +175,44 @@ def variant_times(traces: dict, topology: Topology, comm: DPComm) -> dict:
             for variant, (deferred, per_seed) in traces.items()}
 
 
-def best_variant(times: dict) -> EpochVariant:
-    """The fastest variant; the default one wherever it ties."""
-    return min(times, key=lambda v: (times[v], v != DEFAULT_VARIANT))
+def dp_points(variant: EpochVariant, num_chunks: int) -> int:
+    """A stage's DP points under ``variant``: a reduction per chunk kept in the loop, a gather per middle chunk."""
+    return num_chunks - len(variant.deferred) + (0 if variant.gathers_before else max(0, num_chunks - 2))
+
+
+CHOICE_TOLERANCE = 0.005
+"""Variants within this share of the fastest median count as equally fast: the one with the
+fewest DP points is chosen (its iteration depends least on the draws)."""
+CHOICE_TASK_BUDGET = 200_000
+"""Simulated tasks one choice may take (the seeds it runs: ``choice_seeds``)."""
+
+
+def choice_seeds(topology: Topology, num_microbatches: int, dp: int = 2) -> int:
+    """Seeds a choice runs: up to 8, fewer where a layout's tasks would exceed the budget (at least 1)."""
+    per_seed = 3 * topology.num_stages * topology.num_chunks * num_microbatches * dp * \
+        len(candidate_variants(topology.num_chunks))
+    return max(1, min(8, CHOICE_TASK_BUDGET // per_seed))
+
+
+def best_variant(times: dict, num_chunks: int) -> EpochVariant:
+    """Among the variants within ``CHOICE_TOLERANCE`` of the fastest, the one with the fewest DP
+    points (then the faster, then the earlier candidate)."""
+    fastest = min(times.values())
+    close = [v for v in times if times[v] <= fastest * (1 + CHOICE_TOLERANCE)]
+    return min(close, key=lambda v: (dp_points(v, num_chunks), times[v]))
 
 
 def choose_variant(config: ArbiterConfig, topology: Topology, num_microbatches: int, variability: Variability,
-                   comm: DPComm, *, dp: int = 2, seeds=range(3)) -> tuple[EpochVariant, dict]:
-    """The variant with the smallest median simulated iteration, and every candidate's median;
-    ``dp`` replicas each draw their own durations per seed."""
+                   comm: DPComm, *, dp: int = 2, seeds=None) -> tuple[EpochVariant, dict]:
+    """The variant ``best_variant`` picks from the simulated medians, and every candidate's median;
+    ``dp`` replicas each draw their own durations per seed (default: ``choice_seeds`` of them)."""
+    seeds = range(choice_seeds(topology, num_microbatches, dp)) if seeds is None else seeds
     draws = [[sample_realization(variability, topology, num_microbatches, 7919 * (seed + 1) + r) for r in range(dp)]
              for seed in seeds]
     times = variant_times(variant_traces(config, topology, num_microbatches, draws), topology, comm)
-    return best_variant(times), times
+    return best_variant(times, topology.num_chunks), times
 
 
-__all__ = ["DPPoint", "EpochBook", "EpochVariant", "Timeline", "best_variant", "choose_variant", "megatron_orders",
-           "policy_orders", "run_with_epochs", "static_timeline", "variant_times", "variant_traces"]
+__all__ = ["CHOICE_TASK_BUDGET", "CHOICE_TOLERANCE", "DPPoint", "EpochBook", "EpochVariant", "Timeline", "best_variant",
+           "choice_seeds", "choose_variant", "dp_points", "megatron_orders", "policy_orders", "run_with_epochs",
+           "static_timeline", "variant_times", "variant_traces"]

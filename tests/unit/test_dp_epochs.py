@@ -116,17 +116,18 @@ def test_a_deferred_chunks_reductions_start_after_the_last_task():
     assert time({1}) == pytest.approx(8.0)  # both after the last task
 
 
-@pytest.mark.parametrize("comm_f0,buckets,defers", [(0.25, 1, True), (2.0, 8, False)])
-def test_the_simulator_chooses_fewer_dp_points_only_where_communication_is_light(comm_f0, buckets, defers):
+@pytest.mark.parametrize("comm_f0,buckets,light", [(0.25, 1, True), (2.0, 8, False)])
+def test_the_simulator_keeps_reductions_in_the_loop_only_where_communication_is_heavy(comm_f0, buckets, light):
     """PP8 x 2 chunks under the reference jitter: light DP communication is cheaper after the
-    loop than the rule's pins; heavy communication keeps every reduction in the loop."""
-    from megatron_rrfp.sim.dp_epochs import choose_variant
+    loop than the rule's pins; heavy communication keeps chunk 1's reductions (the earlier to
+    complete) in the loop. Within the tolerance the fewest DP points win."""
+    from megatron_rrfp.sim.dp_epochs import CHOICE_TOLERANCE, choose_variant
 
     comm = DPComm(reduce_per_bucket=comm_f0, gather_per_bucket=comm_f0, buckets_per_chunk=buckets)
     chosen, times = choose_variant(policy("default"), Topology(8, 2), 16, Variability(**VARIABILITY_LEVELS["j3"]),
                                    comm)
-    assert times[chosen] == min(times.values())
-    assert bool(chosen.deferred) is defers, (chosen, times)
+    assert times[chosen] <= min(times.values()) * (1 + CHOICE_TOLERANCE)
+    assert (1 in chosen.deferred) is light, (chosen, times)
 
 
 @pytest.mark.parametrize("pp,chunks,m,seeds", [(8, 4, 32, range(4)), (16, 4, 64, range(2))])
