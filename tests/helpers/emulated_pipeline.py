@@ -552,7 +552,8 @@ def random_jobs(count: int, *, seed: int, protocol: str, pps=(2, 3, 4, 6, 8), ch
             dp = dict(dp=2, ep=rng.choice((1, 1, 2)), overlap_grad_reduce=grad, overlap_param_gather=param,
                       buckets=rng.choice((1, 2, 3)), dp_after_loop=chunks > 1 and rng.random() < 0.5)
             if dp_epochs:
-                dp.update(dp_after_loop=False, dp_epochs=chunks > 1, **_random_variant(seed * 1000 + i, chunks))
+                dp.update(dp_after_loop=False, dp_epochs=chunks > 1,
+                          **_random_variant(seed * 1000 + i, chunks, protocol))
         jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches,
                                 hint=hint, buffer_limit=rng.choice((2, 4, 32)), protocol=protocol,
                                 seed=seed * 1000 + i, task_ms=(0.2, rng.choice((1.0, 3.0))),
@@ -582,35 +583,16 @@ def dp_stress_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0
                                 host_jitter_ms=rng.choice((1.0, 3.0)), channel_latency_ms=rng.choice((5.0, 10.0)),
                                 task_ms=(0.2, rng.choice((1.0, 3.0))), protocol=protocol, seed=seed * 1000 + i,
                                 quiet_s=quiet_s, timeout_s=20.0, dp_after_loop=dp_after_loop, dp_epochs=dp_epochs,
-                                **(_random_variant(seed * 1000 + i, chunks) if dp_epochs else {})))
+                                **(_random_variant(seed * 1000 + i, chunks, protocol) if dp_epochs else {})))
     return jobs
 
 
-def _random_variant(seed: int, chunks: int) -> dict:
+def _random_variant(seed: int, chunks: int, protocol: str) -> dict:
     """One of the epoch rule's variants (``policy.epochs.candidate_variants``), drawn apart from
-    the job's other fields so the same seeds give the same layouts as before."""
+    the job's other fields so the same seeds give the same layouts as before; the ablation of
+    rule 3 keeps every DP point (with fewer there is less for the epoch order to prevent)."""
+    if protocol == "rounds-without-epoch-order":
+        return {}
     variant = random.Random(f"variant-{seed}").choice(candidate_variants(chunks))
     return dict(epochs_order=variant.order, epochs_deferred=tuple(sorted(variant.deferred)),
                 epochs_gathers_before=variant.gathers_before)
-
-
-def paired_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
-    """``count`` random jobs whose stages pair a ready F with a ready B (megatron-core's combined step,
-    ``--overlap-moe-expert-parallel-comm``): MoE with EP=2 (all-to-alls in both halves of a pair, the
-    dispatcher's host sync) in most, TP=2, with and without chunks, the hints that pair (no W)."""
-    rng = random.Random(seed)
-    jobs = []
-    for i in range(count):
-        pp, chunks = rng.choice((2, 3, 4)), rng.choice((1, 1, 2, 3))
-        microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6, 8))
-        ep = rng.choice((1, 2, 2))
-        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches, hint=rng.choice(("bf", "1f1b")),
-                                buffer_limit=rng.choice((2, 4, 32)), protocol=protocol, seed=seed * 1000 + i,
-                                task_ms=(0.2, rng.choice((1.0, 3.0))), host_jitter_ms=rng.choice((0.2, 1.0, 3.0)),
-                                channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s, dp=2 if ep > 1 else 1,
-                                ep=ep, pair=True, straggler=rng.choice((1.0, 3.0)) if ep > 1 else 1.0))
-    return jobs
-
-
-__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "dp_stress_jobs",
-           "paired_jobs", "random_jobs", "run_emulated"]
