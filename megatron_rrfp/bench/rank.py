@@ -40,6 +40,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     from ..mcore.config import RRFPConfig
     from ..mcore.schedule import forward_backward_rrfp, last_iteration_report
     from ..mcore.session import shutdown
+    from ..mcore.state import ScheduleState
     from ..policy.topology import Topology
     from ..runtime.memory import ActivationMeter, model_tensors
     from ..sim.variability import sample_realization
@@ -86,7 +87,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
             topology, split_backward=arbiter.split_backward_ok).split_backward, "walls": [], "busy": [],
             "spans": [], "breakdowns": [], "tasks": [], "memory": {
                 "peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": "",
-                "byte_weights": ()}}
+                "byte_weights": (), "dp_epoch_variant": None}}
     for run, iteration in run_order(runs, config.warmup + config.iterations, config.interleave):
         schedule, own = run.schedule, state[run.key]
         arbiter, split_backward, memory = own["arbiter"], own["split_backward"], own["memory"]
@@ -136,6 +137,8 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
             measured = (report.peak_activation_bytes, report.peak_in_flight, report.buffer_limit or None,
                         report.activation_measure)
             memory["byte_weights"] = report.byte_weights  # the last call's: the simulation models it
+            chosen = ScheduleState.get().epoch_variants  # the DP epoch rule's, once a call chose it
+            memory["dp_epoch_variant"] = str(next(iter(chosen.values()))) if chosen else None
         if comm is not None:
             comm.after_call()  # the step's all-gathers without --overlap-param-gather
         if device.type == "cuda":

@@ -52,6 +52,7 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
         lines.append("DP communication: " + "; ".join(
             f"{label} sim+dp {r['simulated_iteration_time_s_with_dp_comm']:.3f} s, exposed "
             f"{(r.get('task_breakdown') or {}).get('dp_wait_s', {}).get('median', float('nan')):.3f} s/rank"
+            + (f" (DP epoch rule: {r['dp_epoch_variant']})" if r.get("dp_epoch_variant") else "")
             for label, r in dp))
     lines.extend(format_breakdown(report, labels, width) if breakdown else summarize_breakdown(report, labels))
     return "\n".join(lines)
