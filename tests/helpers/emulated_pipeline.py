@@ -596,3 +596,26 @@ def _random_variant(seed: int, chunks: int, protocol: str) -> dict:
     variant = random.Random(f"variant-{seed}").choice(candidate_variants(chunks))
     return dict(epochs_order=variant.order, epochs_deferred=tuple(sorted(variant.deferred)),
                 epochs_gathers_before=variant.gathers_before)
+
+
+
+def paired_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
+    """``count`` random jobs whose stages pair a ready F with a ready B (megatron-core's combined step,
+    ``--overlap-moe-expert-parallel-comm``): MoE with EP=2 (all-to-alls in both halves of a pair, the
+    dispatcher's host sync) in most, TP=2, with and without chunks, the hints that pair (no W)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        pp, chunks = rng.choice((2, 3, 4)), rng.choice((1, 1, 2, 3))
+        microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6, 8))
+        ep = rng.choice((1, 2, 2))
+        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches, hint=rng.choice(("bf", "1f1b")),
+                                buffer_limit=rng.choice((2, 4, 32)), protocol=protocol, seed=seed * 1000 + i,
+                                task_ms=(0.2, rng.choice((1.0, 3.0))), host_jitter_ms=rng.choice((0.2, 1.0, 3.0)),
+                                channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s, dp=2 if ep > 1 else 1,
+                                ep=ep, pair=True, straggler=rng.choice((1.0, 3.0)) if ep > 1 else 1.0))
+    return jobs
+
+
+__all__ = ["PROTOCOLS", "EarlyReceiveTransport", "EmulatedJob", "EmulatedOutcome", "EmulatedWork", "dp_stress_jobs",
+           "paired_jobs", "random_jobs", "run_emulated"]
