@@ -51,7 +51,8 @@ def test_dp_communication_lockstep_or_after_the_loop_where_cuda_needs_a_rule():
     assert not whole_stage_agreement(chunks, device_type="cpu", data_parallel_size=2)
     assert dp_overlap.describe(EPOCHS, "auto", chunks, 2) == (
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: in the task loop at "
-        "fixed DP points, rounds in epoch order (replicas independent between DP points) (--rrfp-dp-overlap auto; "
+        "fixed DP points, rounds in epoch order (replicas independent between DP points); the first iteration runs "
+        "them after the loop and measures which DP points to keep (--rrfp-dp-overlap auto; "
         "'after-loop' or 'lockstep' name the others)")
     assert dp_overlap.describe(AFTER_LOOP, "after-loop", chunks, 2) == (
         "megatron-rrfp: DP 2 x 2 chunks with --overlap-grad-reduce --overlap-param-gather: parameter all-gathers "
