@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..policy.epochs import DEFAULT_VARIANT, EpochVariant, candidate_variants
+from ..policy.actions import Task
+from ..policy.epochs import EpochVariant, candidate_variants
 from ..ranks import print_line
 
 MODELLED_REPLICAS = 4
@@ -72,13 +73,14 @@ def record(state, job_key: tuple, report, models, *, gather_s: float, reduce_s: 
     """Keep the measuring call's figures (its trace spans: one per task)."""
     measured = Measured(gather_s=gather_s, reduce_s=reduce_s,
                         buckets=sum(len(getattr(m, "bucket_groups", ())) for m in models))
-    backward: dict = {}
+    backward: dict = {}  # (microbatch, chunk) -> its B and W together
     for span in report.spans:
         if span.category == "F":
             measured.forward_s.append(span.end - span.start)
         elif span.category in ("B", "W"):
-            backward[span.name.replace("W", "B")] = backward.get(span.name.replace("W", "B"), 0.0) + \
-                span.end - span.start
+            task = Task.parse(span.name)
+            key = (task.microbatch, task.chunk)
+            backward[key] = backward.get(key, 0.0) + span.end - span.start
     measured.backward_s = list(backward.values())
     state.epoch_measured[job_key] = measured
 
@@ -128,4 +130,4 @@ def timed(device, func):
     return time.perf_counter() - began
 
 
-__all__ = ["DEFAULT_VARIANT", "Measured", "choose", "phase", "record", "timed"]
+__all__ = ["MODELLED_REPLICAS", "Measured", "choose", "phase", "record", "timed"]
