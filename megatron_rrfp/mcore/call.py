@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..policy.arbiter import Arbiter
-from ..policy.epochs import DEFAULT_VARIANT, EpochBook, timeline_for
+from ..policy.epochs import EpochBook, EpochVariant, timeline_for
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..ranks import print_line
@@ -107,6 +107,7 @@ class ScheduleCall:
     work: Optional[MegatronStageWork] = None
     report: Optional[IterationReport] = None
     measuring: bool = False  # epoch_tuning's measuring call: the DP collectives out of the loop, timed
+    variant: Optional[EpochVariant] = None  # the job's variant of the DP epoch rule, where it runs
     _gather_s: float = 0.0
     _embedding: Any = None
     _open: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -192,12 +193,10 @@ class ScheduleCall:
     def _epoch_book(self) -> Optional[EpochBook]:
         """This stage's book of the DP epoch rule for this call (dp_overlap.py's ``EPOCHS``), or None."""
         place, inputs = self.place, self.inputs
-        if place.dp_mode != EPOCHS or inputs.forward_only:
+        if self.variant is None:
             return None
-        variant = self.state.epoch_variants.get(epoch_variant_key(inputs.models, place.topology,
-                                                                  inputs.num_microbatches), DEFAULT_VARIANT)
         timeline = timeline_for(self.options.arbiter, place.topology, inputs.num_microbatches,
-                                self.arbiter.split_backward, variant)
+                                self.arbiter.split_backward, self.variant)
         return EpochBook(timeline, place.topology, place.stage)
 
     def _stage_work(self) -> MegatronStageWork:
@@ -230,7 +229,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                   forward_only=inputs.forward_only)  # pairs F and B; never splits them
     options = with_split_capability(options, inputs.models, state=state,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
-    measuring = False
+    measuring, variant = False, None
     if place.dp_mode == EPOCHS and not inputs.forward_only:  # which of the rule's variants (epoch_tuning.py)
         job = epoch_variant_key(inputs.models, place.topology, inputs.num_microbatches)
         step = epoch_tuning.phase(state, job)
@@ -240,6 +239,8 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
         measuring = step == "measure"
         if measuring:  # safe on the rounds transport as it is: the replicas meet only outside the loop
             place = dataclasses.replace(place, dp_mode=AFTER_LOOP)
+        else:
+            variant = state.epoch_variants.get(job)
     where = dict(models=inputs.models, topology=place.topology, num_microbatches=inputs.num_microbatches,
                  stage=place.stage, forward_only=inputs.forward_only, device=place.device, pp_group=place.groups.pp,
                  agreement_group=runtime.agreement_group)
@@ -258,7 +259,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                 forward_only=inputs.forward_only, device=runtime.device)
     return ScheduleCall(state=state, options=options, inputs=inputs, place=place, session=runtime, limit=limit,
                         in_bytes=in_bytes, arbiter=arbiter, meter=meter, wgrad_store=store, agreement=agreement,
-                        measuring=measuring)
+                        measuring=measuring, variant=variant)
 
 
 def _transport_for(options: RRFPConfig, dp_mode: str) -> str:
