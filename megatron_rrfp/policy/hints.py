@@ -16,13 +16,14 @@ run in a bubble), else Megatron's own order: 1F1B waiting for late forwards with
 (``WAITING_1F1B``), the interleaved order with chunks (under jitter at 1x it beats
 chunk-aware BF); with room to run ahead ``bfw`` or ``bf``.
 
-With chunks, BF ranks the tasks of one direction as Megatron's interleaved table does:
-microbatch group (of PP) first, then chunk (forward: lower first; backward: higher first),
-then microbatch. Ranking by chunk alone (breadth-first, the paper's literal rule) filled
-an interleaved stage's memory with chunk-0 activations and fell far behind Megatron's
-interleaved schedule at 1x; read by group it is never behind it without jitter
-(tests/unit/test_policy.py). ``gpipe`` below room for all M x C forwards is refused
-(``Hint.check_memory``): forward-first under a memory cap loses to Megatron everywhere.
+With chunks, BF ranks forwards as Megatron's interleaved table does: microbatch group (of
+PP) first, then chunk (lower first), then microbatch. Ranking forwards by chunk alone
+(breadth-first, the paper's literal rule) filled an interleaved stage's memory with chunk-0
+activations and fell far behind Megatron's interleaved schedule at 1x; read by group it is
+never behind it without jitter (tests/unit/test_policy.py). Backwards hold no new memory, so
+they rank by the work still chained behind them: the deepest chunk first, then microbatch.
+``gpipe`` below room for all M x C forwards is refused (``Hint.check_memory``): forward-first
+under a memory cap loses to Megatron everywhere.
 
 Readiness-first on an ordered hint is *bounded* (``lookahead``, default one entry per
 pipeline stage): a stage may run any ready task among the first K entries of its order it
@@ -80,9 +81,12 @@ def _forward_key(task: Task, group: int) -> tuple[int, int, int]:
     return (task.microbatch // group, task.chunk, task.microbatch)
 
 
-def _backward_key(task: Task, group: int) -> tuple[int, int, int]:
-    # backwards walk the same groups with the chunks reversed
-    return (task.microbatch // group, -task.chunk, task.microbatch)
+def _backward_key(task: Task) -> tuple[int, int]:
+    # the deepest chunk first, whatever its microbatch group: its gradient still has the most backward
+    # hops ahead of it (every chunk below, on every stage), so it heads the longest chain left to the
+    # iteration's end; the optimal orders run it ahead of an older microbatch's shallower backward, where
+    # Megatron's group order left the stages below idle in the cool-down (docs/simulator.md)
+    return (-task.chunk, task.microbatch)
 
 
 class Hint:
@@ -132,7 +136,7 @@ class DirectionalHint(Hint):
 
     The arbiter remembers the direction to prefer next (``arbiter.prefer``): after an F it
     prefers B, after a B it prefers F — which makes the last stage behave exactly as 1F1B.
-    Within a direction, the order of Megatron's interleaved table (module docstring).
+    Within a direction, the ranking of the module docstring (forwards: Megatron's interleaved table).
     """
 
     def __init__(self, *, with_weight_tasks: bool) -> None:
@@ -143,7 +147,7 @@ class DirectionalHint(Hint):
         group = arbiter.topology.num_stages
         best = {
             Kind.F: min((t for t in allowed if t.kind is Kind.F), key=lambda t: _forward_key(t, group), default=None),
-            Kind.B: min((t for t in allowed if t.kind is Kind.B), key=lambda t: _backward_key(t, group), default=None),
+            Kind.B: min((t for t in allowed if t.kind is Kind.B), key=_backward_key, default=None),
         }
         other = Kind.F if arbiter.prefer is Kind.B else Kind.B
         for direction in (arbiter.prefer, other):

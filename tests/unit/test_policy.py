@@ -241,8 +241,9 @@ def test_bf_alternates_directions_with_chunk_priorities():
     # forwards by Megatron's interleaved table: microbatch group (of PP) first, then chunk
     assert arbiter.choose({Task(Kind.F, 2, 0), Task(Kind.F, 1, 1)}) == Task(Kind.F, 1, 1)
     assert arbiter.choose({Task(Kind.F, 3, 0), Task(Kind.F, 2, 1)}) == Task(Kind.F, 3, 0)
-    arbiter.record(Task(Kind.F, 2, 0))  # prefer B: within a group the higher chunk, across groups the older
-    assert arbiter.choose({Task(Kind.B, 0, 0), Task(Kind.B, 2, 1)}) == Task(Kind.B, 0, 0)
+    arbiter.record(Task(Kind.F, 2, 0))  # prefer B: the deeper chunk first, across groups too (the longer chain left)
+    assert arbiter.choose({Task(Kind.B, 0, 0), Task(Kind.B, 2, 1)}) == Task(Kind.B, 2, 1)
+    assert arbiter.choose({Task(Kind.B, 3, 1), Task(Kind.B, 2, 1)}) == Task(Kind.B, 2, 1)  # then the older
 
 
 def test_bfw_runs_weight_tasks_only_when_nothing_else_is_ready():
