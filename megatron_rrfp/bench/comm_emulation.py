@@ -10,11 +10,14 @@ needs a result sleeps until the channel delivers it.
 * **reductions** (``dp_reduce_s`` per model chunk: each DDP bucket group its share of the
   chunk's gradient elements, so "at the end" — one bucket per chunk, DDP without
   ``--overlap-grad-reduce`` — and overlapped, with several buckets, move the same bytes):
-  megatron-core's ``_ParamAndGradBucketGroup.start_grad_sync`` puts a group on the channel
-  when it launches (DDP's hooks, ``grad_sync.SplitReadiness``, or ``finish_grad_sync``
-  without overlap); ``finish_grad_sync`` (``finalize_model_grads``, after the schedule)
-  sleeps until the group is done. A launch inside a task happens after that task's emulated
-  sleep (``emulation.py`` sleeps before the real compute), i.e. at the task's end;
+  megatron-core's ``_ParamAndGradBucketGroup.start_grad_sync`` launches a group (DDP's hooks,
+  ``grad_sync.SplitReadiness``, or ``finish_grad_sync`` without overlap); like a collective it
+  starts on the channel once *every DP replica* of the rank has launched it (each rank publishes
+  its launch time in the job's store, ``ReplicaClock``: the simulator's
+  ``replicas_iteration_time``); ``finish_grad_sync`` (``finalize_model_grads``, after the
+  schedule) sleeps until the group is done. A launch inside a task happens after that task's
+  emulated sleep (``emulation.py`` sleeps before the real compute), i.e. at the task's end;
+  expert-parallel bucket groups run on this rank's launch alone;
 * **parameter all-gathers** (``dp_gather_s`` per chunk, distributed optimizer): the bench has
   no optimizer step, so they are emulated only, where Megatron-LM puts them: without
   ``--overlap-param-gather`` after the step, every chunk's in turn (``after_call`` sleeps
@@ -41,7 +44,7 @@ from typing import Optional
 from ..policy.actions import Kind, Task
 from ..sim.dp_comm import DPChannel, bucket_durations
 
-__all__ = ["CommEmulator", "CommTimes", "check_communication", "comm_emulator"]
+__all__ = ["CommEmulator", "CommTimes", "ReplicaClock", "check_communication", "comm_emulator"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,7 +94,34 @@ def comm_emulator(config, stage) -> Optional[CommEmulator]:
                       overlap_param_gather=config.overlap_param_gather, a2a_s=config.a2a_ms / 1e3)
     if not times.active:
         return None
-    return CommEmulator(times, stage if isinstance(stage, list) else [stage]).install()
+    clock = ReplicaClock.of_this_rank() if config.data_parallel > 1 else None
+    return CommEmulator(times, stage if isinstance(stage, list) else [stage], clock).install()
+
+
+class ReplicaClock:
+    """When every DP replica of this rank has launched a reduction: ranks publish their launch
+    times (``time.time()``: the bench's ranks share one host's clock) in the job's store."""
+
+    def __init__(self, store, prefix: str, replica: int, replicas: int) -> None:
+        self.store, self.prefix, self.replica, self.replicas = store, prefix, replica, replicas
+
+    @classmethod
+    def of_this_rank(cls) -> ReplicaClock:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store, on every rank
+        prefix = (f"rrfp-bench-dp/{parallel_state.get_pipeline_model_parallel_rank()}/"
+                  f"{parallel_state.get_tensor_model_parallel_rank()}")
+        return cls(store, prefix, parallel_state.get_data_parallel_rank(),
+                   parallel_state.get_data_parallel_world_size())
+
+    def launched(self, key: str, when: float) -> None:
+        self.store.set(f"{self.prefix}/{key}/{self.replica}", repr(when))
+
+    def all_launched(self, key: str) -> float:
+        """The last replica's launch time (waits for every replica's record)."""
+        return max(float(self.store.get(f"{self.prefix}/{key}/{r}")) for r in range(self.replicas))
 
 
 _active: list = [None]  # the process's installed CommEmulator (one per bench rank)
@@ -100,8 +130,8 @@ _active: list = [None]  # the process's installed CommEmulator (one per bench ra
 class CommEmulator:
     """One rank's DP channel; ``install`` once, ``begin_iteration`` / ``after_call`` around each call."""
 
-    def __init__(self, times: CommTimes, chunks: list) -> None:
-        self.times, self.chunks = times, chunks
+    def __init__(self, times: CommTimes, chunks: list, clock: Optional[ReplicaClock] = None) -> None:
+        self.times, self.chunks, self.clock = times, chunks, clock
         self._share: dict[int, float] = {}  # id(bucket group) -> its share of its chunk's elements
         self._first_group: list = []  # per chunk: the bucket group its first forward waits for
         for chunk in chunks:
@@ -113,6 +143,10 @@ class CommEmulator:
             self._first_group.append(groups[-1] if groups else None)
         self._lock = threading.Lock()
         self._done: dict[int, float] = {}  # id(bucket group) -> when its reduction is done
+        self._launches: list[int] = []  # id(bucket group) launched here, not yet on the channel
+        dense = [g for chunk in chunks for g in getattr(chunk, "bucket_groups", ())]  # over the DP replicas
+        self._index = {id(g): i for i, g in enumerate(dense)}
+        self._iteration = 0
         self._gathered: list[float] = []  # per chunk: when its first forward may start
         self._all_gathered: list[float] = []  # per chunk: when its last bucket group is gathered
         self._chunk_of = {id(g): c for c, chunk in enumerate(chunks)
@@ -132,7 +166,9 @@ class CommEmulator:
 
     def begin_iteration(self) -> None:
         now = time.time()
+        self._iteration += 1  # every rank runs the same calls: the replicas' keys match
         self._done.clear()
+        self._launches.clear()
         self._forwards_seen.clear()
         self.exposed_s, self._channel = 0.0, DPChannel(now)
         self._gathered = [0.0] * len(self.chunks)
@@ -164,9 +200,14 @@ class CommEmulator:
 
     def launched(self, group) -> None:
         share = self._share.get(id(group))
-        if share is None or id(group) in self._done:
+        if share is None or id(group) in self._done or id(group) in self._launches:
             return
-        self._done[id(group)] = self._queue(time.time(), self.times.dp_reduce_s * share)
+        now = time.time()
+        if self.clock is None or id(group) not in self._index:
+            self._done[id(group)] = self._queue(now, self.times.dp_reduce_s * share)
+            return
+        self.clock.launched(self._key(id(group)), now)
+        self._launches.append(id(group))
 
     def gathered_now(self, group) -> None:
         """A forced (synchronous) all-gather: wait until the chunk's gathers are done."""
@@ -175,6 +216,10 @@ class CommEmulator:
             self._sleep_until(self._all_gathered[chunk])
 
     def finished(self, group) -> None:
+        while self._launches and id(group) not in self._done:  # on the channel in launch order
+            gid = self._launches.pop(0)
+            start = self.clock.all_launched(self._key(gid))
+            self._done[gid] = self._queue(start, self.times.dp_reduce_s * self._share[gid])
         done = self._done.get(id(group))
         if done is not None:
             self._sleep_until(done)
@@ -185,6 +230,9 @@ class CommEmulator:
             self._task_device += self.times.a2a_s
 
     # -- internals ---------------------------------------------------------------------
+
+    def _key(self, group_id: int) -> str:
+        return f"{self._iteration}/{self._index[group_id]}"
 
     def _first_share(self, chunk: int) -> float:
         group = self._first_group[chunk]

@@ -39,17 +39,25 @@ _F, _B = 0, 1
 
 
 class SendTimeTable:
-    """[stage, chunk, direction, microbatch] -> send time (time.time()), shared by local ranks."""
+    """[stage, chunk, direction, microbatch] -> send time (time.time()) of one DP replica's
+    pipeline, shared by local ranks (one slice per replica: each pipeline its own messages)."""
 
     def __init__(self, path: str, num_stages: int, num_chunks: int, num_microbatches: int, *,
-                 create: bool) -> None:
-        shape = (num_stages, num_chunks, 2, num_microbatches)
+                 create: bool, replicas: int = 1, replica: int = 0) -> None:
+        shape = (replicas, num_stages, num_chunks, 2, num_microbatches)
         if create:
             np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)[:] = np.nan
         self.path = path
-        self.table = np.lib.format.open_memmap(path, mode="r+")
-        if self.table.shape != shape:
-            raise ValueError(f"send-time table {path} has shape {self.table.shape}, expected {shape}")
+        whole = np.lib.format.open_memmap(path, mode="r+")
+        if whole.shape != shape:
+            raise ValueError(f"send-time table {path} has shape {whole.shape}, expected {shape}")
+        self.table = whole[replica]
+
+
+def draw_seed(seed: int, iteration: int, replica: int = 0) -> int:
+    """The seed of one iteration's draw for one DP replica: replicas draw apart, as pipelines on
+    separate devices jitter apart (replica 0 keeps the single pipeline's draw)."""
+    return seed * 100_003 + iteration + 1_000_003 * replica
 
 
 class TaskTally:

@@ -46,7 +46,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     from ..sim.variability import sample_realization
     from .around_schedules import count_in_flight, count_received
     from .comm_emulation import comm_emulator
-    from .emulation import DeviceTimeEmulator, SendTimeTable
+    from .emulation import DeviceTimeEmulator, SendTimeTable, draw_seed
 
     enable_cpu_reference_schedules()  # a no-op in a rank on CUDA
     device = pipeline_device()
@@ -62,8 +62,9 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     parameters = [p for chunk in (stage if isinstance(stage, list) else [stage]) for p in chunk.parameters()]
     megatron_schedule = forward_backward_pipelining_with_interleaving if config.num_chunks > 1 \
         else forward_backward_pipelining_without_interleaving
-    table = SendTimeTable(table_path, pp, config.num_chunks, config.num_microbatches, create=False) \
-        if table_path else None
+    replica = parallel_state.get_data_parallel_rank()
+    table = SendTimeTable(table_path, pp, config.num_chunks, config.num_microbatches, create=False,
+                          replicas=config.data_parallel, replica=replica) if table_path else None
     emulator = DeviceTimeEmulator(stage=stage_index, topology=topology, num_microbatches=config.num_microbatches,
                                   table=table, device=device).install()
     emulator.comm = comm = comm_emulator(config, stage)  # None without emulated DP / expert communication
@@ -92,7 +93,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
         schedule, own = run.schedule, state[run.key]
         arbiter, split_backward, memory = own["arbiter"], own["split_backward"], own["memory"]
         realization = sample_realization(variability, topology, config.num_microbatches,
-                                         seed=config.seed * 100_003 + iteration)
+                                         seed=draw_seed(config.seed, iteration, replica))
         for p in parameters:
             p.grad = None
         for chunk in (stage if isinstance(stage, list) else [stage]):

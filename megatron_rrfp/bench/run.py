@@ -302,7 +302,8 @@ def _run_locally(config: BenchConfig, world: int, progress: bool) -> list[dict]:
 
     try:  # the shared-memory table and the progress file go on any exit: error, Ctrl-C, SIGTERM
         with _termination_as_exit():
-            SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True)
+            SendTimeTable(table_path, config.pipeline_size, config.num_chunks, config.num_microbatches, create=True,
+                          replicas=config.data_parallel)
             open(progress_path, "w").close()
             thread = threading.Thread(target=work, daemon=True)
             thread.start()

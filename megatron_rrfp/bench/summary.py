@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from ..runtime.report import BREAKDOWN_FIELDS
+from .emulation import draw_seed
 from .sweep import SIM_POLICY as _SIM_POLICY
 from .sweep import limit_list, tradeoff_section
 
@@ -48,27 +49,29 @@ def summarize(config, per_rank: list[dict]) -> dict:
     sims: dict[str, list[float]] = {}
     sims_host: dict[str, list[float]] = {}  # the same, each task plus its schedule's measured host cost
     sims_dp: dict[str, list[float]] = {}  # the same with the emulated DP communication (sim/dp_comm.py)
-    realizations = [sample_realization(variability, topology, config.num_microbatches, seed=config.seed * 100_003 + i)
-                    for i in range(config.warmup, config.warmup + config.iterations)]
+    # per measured iteration, each DP replica's draw (as its ranks slept it); replica 0's for the bound and optimum
+    draws = [[sample_realization(variability, topology, config.num_microbatches, seed=draw_seed(config.seed, i, r))
+              for r in range(config.data_parallel)] for i in range(config.warmup, config.warmup + config.iterations)]
+    realizations = [replicas[0] for replicas in draws]
     byte_budgets = {run.key: _byte_budgets(per_rank, run.key, config.pipeline_size) for run in bench_runs}
     orders: list[list] = []  # per realisation, every run's simulated orders: the optimum's warm starts
-    for realization in realizations:
+    for replicas in draws:
         orders.append([])
         for run in bench_runs:
             # the byte budget the executor ran with (1x: policy/membytes.py), so the simulation decides alike
             arbiter_config = replace(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
                                      memory_bytes=byte_budgets[run.key])
-            simulated = simulate(arbiter_config, topology, config.num_microbatches, realization)
-            sims.setdefault(run.key, []).append(simulated.makespan)
-            orders[-1].append(simulated.orders)
+            simulated = [simulate(arbiter_config, topology, config.num_microbatches, r) for r in replicas]
+            sims.setdefault(run.key, []).append(max(s.makespan for s in simulated))  # the slower replica
+            orders[-1].append(simulated[0].orders)
             if config.dp_reduce_ms or config.dp_gather_ms:
-                sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, realization,
+                sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, replicas,
                                                                      rrfp=run.schedule != "megatron-1f1b",
                                                                      variability=variability))
             if host_costs[run.key] is not None:
-                sims_host.setdefault(run.key, []).append(simulate(
+                sims_host.setdefault(run.key, []).append(max(simulate(
                     arbiter_config, topology, config.num_microbatches,
-                    with_host_cost(realization, host_costs[run.key])).makespan)
+                    with_host_cost(r, host_costs[run.key])).makespan for r in replicas))
     sim_base = statistics.median(sims["megatron-1f1b"])
     sim_host_base = statistics.median(sims_host["megatron-1f1b"]) if "megatron-1f1b" in sims_host else None
     megatron_peak = max(r["runs"]["megatron-1f1b"]["peak_activation_bytes"] for r in per_rank)
@@ -139,16 +142,18 @@ def _add_optimum(config, runs, bench_runs, topology, realizations, orders, sim_l
         report["over_optimum"] = report["iteration_time_s"]["median"] / optimum["makespan_median"]
 
 
-def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool, variability) -> float:
-    """The simulated iteration with ``sim/dp_comm.py``'s DP channel: one bucket per chunk (the
+def _with_dp_comm(config, arbiter_config, topology, replicas, *, rrfp: bool, variability) -> float:
+    """The simulated iteration with ``sim/dp_comm.py``'s DP channel, one draw per DP replica (a
+    reduction starts once every replica launched it): one bucket per chunk (the
     bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
     choice of ``mcore/dp_overlap.py`` as it runs: after-loop as DP communication at the end, the
     epoch rule through ``sim/dp_epochs.py`` in the variant the simulator chooses for the bench's
     own jitter and DP communication (what ``mcore/epoch_tuning.py`` estimates from a measured call)."""
     from ..mcore.dp_overlap import AFTER_LOOP, EPOCHS, dp_communication_of_layout
+    from ..mcore.epoch_tuning import MODELLED_REPLICAS
     from ..policy.epochs import timeline_for
     from ..policy.plan import Plan
-    from ..sim.dp_comm import DPComm, iteration_time
+    from ..sim.dp_comm import DPComm, replicas_iteration_time
     from ..sim.dp_epochs import choose_variant, run_with_epochs
     from ..sim.simulator import simulate
 
@@ -162,15 +167,18 @@ def _with_dp_comm(config, arbiter_config, topology, realization, *, rrfp: bool, 
     if mode == EPOCHS:
         key = (arbiter_config, topology, m)
         if key not in _CHOSEN:
-            _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm)[0]
+            _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm,
+                                          dp=min(config.data_parallel, MODELLED_REPLICAS))[0]
         timeline = timeline_for(arbiter_config, topology, m, Plan.build(arbiter_config, topology, m).split_backward,
                                 _CHOSEN[key])
-        trace, deferred = run_with_epochs(arbiter_config, topology, m, realization, timeline).trace, timeline.deferred
+        traces = [run_with_epochs(arbiter_config, topology, m, r, timeline).trace for r in replicas]
+        deferred = timeline.deferred
     else:
-        trace = simulate(arbiter_config, topology, m, realization, record_trace=True).trace
-    return iteration_time(trace, topology.num_stages, topology.num_chunks, comm,
-                          overlap_grad_reduce=config.overlap_grad_reduce and mode != AFTER_LOOP,
-                          overlap_param_gather=config.overlap_param_gather and mode != AFTER_LOOP, deferred=deferred)
+        traces = [simulate(arbiter_config, topology, m, r, record_trace=True).trace for r in replicas]
+    return replicas_iteration_time(traces, topology.num_stages, topology.num_chunks, comm,
+                                   overlap_grad_reduce=config.overlap_grad_reduce and mode != AFTER_LOOP,
+                                   overlap_param_gather=config.overlap_param_gather and mode != AFTER_LOOP,
+                                   deferred=deferred)
 
 
 _CHOSEN: dict = {}  # (arbiter config, layout, M) -> the epoch rule's variant the simulator chose

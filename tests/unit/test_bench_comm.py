@@ -35,6 +35,29 @@ def test_reductions_queue_on_one_channel_by_their_share_of_the_chunk():
     assert comm.exposed_s == pytest.approx(0.08, abs=0.02)
 
 
+def test_a_reduction_starts_once_every_dp_replica_launched_it():
+    """DP replicas share a store (the job's, in a bench): a replica that launched early waits for
+    the late one, then the reduction's own time, as the simulator's ``replicas_iteration_time``."""
+    import torch.distributed as dist
+
+    from megatron_rrfp.bench.comm_emulation import ReplicaClock
+
+    store = dist.HashStore()
+    chunks = [_chunk(100), _chunk(100)]  # one per replica: the same model, its own bucket groups
+    early, late = (CommEmulator(CommTimes(dp_reduce_s=0.05), [chunk], ReplicaClock(store, "stage0", r, 2))
+                   for r, chunk in enumerate(chunks))
+    for comm in (early, late):
+        comm.begin_iteration()
+    start = time.time()
+    early.launched(chunks[0].bucket_groups[0])
+    time.sleep(0.1)
+    late.launched(chunks[1].bucket_groups[0])
+    early.finished(chunks[0].bucket_groups[0])
+    assert time.time() - start >= 0.15 - 1e-3  # the late launch, then the reduction
+    late.finished(chunks[1].bucket_groups[0])  # the same collective: done by now
+    assert early.exposed_s == pytest.approx(0.05, abs=0.02) and late.exposed_s == 0.0
+
+
 def test_all_gathers_overlapped_wait_only_at_each_chunks_first_forward_and_else_follow_the_call():
     chunks = [_chunk(100, 300), _chunk(400)]  # chunk 0's first group in forward order: its last (share 0.75)
     comm = CommEmulator(CommTimes(dp_gather_s=0.04, overlap_param_gather=True), chunks)
