@@ -126,6 +126,7 @@ class Arbiter:
         # a microbatch must be able to hold all its chunks at once (see the module docstring)
         self._admission_limit = max(self.buffer_limit, topology.num_chunks)
         self._forwards_run = [0] * num_microbatches  # per microbatch, chunks forwarded here
+        self.forwards_left = num_microbatches * topology.num_chunks  # on this stage, not yet dispatched
         self._released = [0] * num_microbatches  # per microbatch, chunks whose memory is freed
         self._oldest = 0  # lowest microbatch not finished on this stage
         self._frontier_at, self._frontier = -1, -1  # admission_frontier, cached per dispatch count
@@ -220,6 +221,7 @@ class Arbiter:
         if task.kind is Kind.F:
             self.prefer = Kind.B
             self._forwards_run[mb] += 1
+            self.forwards_left -= 1
             if self.forward_only:
                 self._advance_oldest()
             else:

@@ -31,6 +31,8 @@ has not run yet — the plan, slipped where the run time made it stale — but n
 further ahead (with K = inf a stage 0 ran every chunk-0 forward first and left no memory
 for the deeper chunks). Outside the window only the stage's oldest unfinished microbatch
 may fill idle time, which keeps the arbiter deadlock-free (docs/design/deadlock-freedom.md).
+Once a stage has run all its forwards, a built-in order's rest is ranked as ``bfw`` ranks
+it (the deepest chunk's B first, W only when no B is ready): only backward chains are left.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class StageState(Protocol):
     """Lowest microbatch with work left on the stage."""
     stage: int
     """This stage's index in the pipeline."""
+    forwards_left: int
+    """The stage's forwards not yet dispatched (0: only backward work is left)."""
 
     def remaining_order(self) -> Iterator[Task]:
         """The stage's order, minus what already ran (ordered hints)."""
@@ -87,6 +91,14 @@ def _backward_key(task: Task) -> tuple[int, int]:
     # iteration's end; the optimal orders run it ahead of an older microbatch's shallower backward, where
     # Megatron's group order left the stages below idle in the cool-down (docs/simulator.md)
     return (-task.chunk, task.microbatch)
+
+
+def _backward_then_weight(allowed: set[Task]) -> Optional[Task]:
+    """The best ready B (``_backward_key``), else the oldest ready W (per chunk in its B's order)."""
+    backward = min((t for t in allowed if t.kind is Kind.B), key=_backward_key, default=None)
+    if backward is not None:
+        return backward
+    return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
 
 
 class Hint:
@@ -153,7 +165,7 @@ class DirectionalHint(Hint):
         for direction in (arbiter.prefer, other):
             if best[direction] is not None:
                 return best[direction]
-        return min((t for t in allowed if t.kind is Kind.W), key=lambda t: (t.microbatch, -t.chunk), default=None)
+        return _backward_then_weight(allowed)
 
 
 class DefaultHint(Hint):
@@ -240,6 +252,12 @@ class OrderedHint(Hint):
     def pick(self, allowed: set[Task], arbiter: StageState) -> Optional[Task]:
         if not allowed:
             return None
+        if arbiter.forwards_left == 0 and self._orders is None:
+            # a built-in order's cool-down: with every forward run there is no memory or warm-up left to
+            # keep, only the backward chains to the end; the order's fixed B/W interleave ran a W, or a
+            # shallower chunk's B, while a deeper one waited and left the stages below idle. As bfw:
+            # the deepest chunk's B first, W only when no B is ready
+            return _backward_then_weight(allowed)
         window = arbiter.lookahead  # self.lookahead, widened with spare memory (arbiter.py)
         for seen, task in enumerate(arbiter.remaining_order()):
             if window is not None and seen >= window:
