@@ -67,8 +67,7 @@ def launch(opts, tree: Path, cwd: Path, flags: list[str], max_restarts: int, fau
            "PYTHONPATH": os.pathsep.join(p for p in (opts.nvrx_site, str(ROOT / "tests"),
                                                      os.environ.get("PYTHONPATH")) if p),
            "RRFP_DRILL_RANK": "1", "RRFP_DRILL_ITERATION": ",".join(map(str, faults)) or "0",
-           "RRFP_DRILL_KIND": "raise", "RRFP_DRILL_ONCE_FILE": str(cwd / "faults-fired.txt"),
-           "RRFP_DRILL_FRESH_STORE": "1" if opts.fresh_store else "0"}
+           "RRFP_DRILL_KIND": "raise", "RRFP_DRILL_ONCE_FILE": str(cwd / "faults-fired.txt")}
     command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(2 * opts.dp),
                "--max-restarts", str(max_restarts), "-m", "helpers.inprocess_drill", "--cpu",
                str(tree / "pretrain_gpt.py"), *COMMON, "--num-layers", "2", "--pipeline-model-parallel-size", "2",
@@ -139,8 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--faults", default="14,33,52", help="iterations where rank 1 fails (comma-separated)")
     parser.add_argument("--persistent-interval", type=int, default=20)
     parser.add_argument("--local-interval", type=int, default=2)
-    parser.add_argument("--fresh-store", action="store_true",
-                        help="after a torchrun restart rank 0 hosts a new TCPStore (RRFP_DRILL_FRESH_STORE)")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds per launch")
     opts = parser.parse_args(argv)
     opts.faults = [int(f) for f in opts.faults.split(",") if f]

@@ -15,6 +15,7 @@ import datetime
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Optional
@@ -93,6 +94,51 @@ def _first_slurm_host(environ: Mapping[str, str]) -> str:
     return out[0]
 
 
+RESTART_PREFIX = "rrfp/torchelastic-restart-{}"
+"""Where a restarted attempt's ``env://`` keys go in torchrun's store (``keep_restart_keys_apart``)."""
+
+
+def keep_restart_keys_apart(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Give a worker that torchrun restarted its own keys in the agent's store; a line to print, or None.
+
+    torch >= 2.5 shares the rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE=True)
+    and keeps it across restarts, without the per-attempt prefix it once had: a restarted worker's
+    ``init_process_group`` (``env://``) reads the failed attempt's addresses and fails (gloo
+    "connectFullMesh ... Connection refused"; NCCL a stale unique id). On one host every worker
+    restarts with the same TORCHELASTIC_RESTART_COUNT, so ``env://``'s store gets the prefix
+    RESTART_PREFIX of that count. Across hosts the count is the local agent's and may differ
+    between hosts: nothing is changed and the line names torch's own switch,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (a new store every round)."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) < 1:
+        return None
+    if environ.get("LOCAL_WORLD_SIZE") != environ.get("WORLD_SIZE"):
+        return ("megatron-rrfp: torchrun restarts workers on several hosts with its rendezvous store shared: set "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, or the restarted workers meet "
+                "the failed attempt's keys in init_process_group")
+    attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt < 1:
+        return None
+    import importlib
+
+    from torch.distributed import PrefixStore
+
+    # torch's registry (the module, which torch.distributed's rendezvous function hides):
+    # register_rendezvous_handler refuses a second "env"
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+    if getattr(original, "rrfp_prefix", None) is None:
+        prefix = RESTART_PREFIX.format(attempt)
+
+        def env_handler(url, *args, **kwargs):
+            for store, rank, world_size in original(url, *args, **kwargs):
+                yield PrefixStore(prefix, store), rank, world_size
+
+        env_handler.rrfp_prefix = prefix
+        handlers["env"] = env_handler
+    return (f"megatron-rrfp: torchrun restart {attempt}: init_process_group's keys go under "
+            f"{handlers['env'].rrfp_prefix}/ in torchrun's store (the failed attempt's are still there)")
+
+
 def init_process_group(env: DistEnv, *, cpu: bool, timeout_s: float):
     """Initialise torch.distributed (gloo on CPU, NCCL on GPUs); return this rank's device."""
     import torch
@@ -112,6 +158,9 @@ def init_process_group(env: DistEnv, *, cpu: bool, timeout_s: float):
         return device
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    restart = keep_restart_keys_apart()
+    if restart and env.rank == 0:
+        print(restart, file=sys.stderr, flush=True)
     dist.init_process_group("gloo" if cpu else "nccl", init_method="env://", rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             **({} if cpu else {"device_id": device}))

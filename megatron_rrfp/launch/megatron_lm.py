@@ -31,6 +31,9 @@ which Megatron builds its dataset helpers at start-up::
         --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion \
         --no-gradient-accumulation-fusion --attention-dropout 0 --hidden-dropout 0 --seed 1234
 
+Under ``torchrun --max-restarts N`` a restarted worker's ``init_process_group`` keys are kept apart
+from the failed attempt's in torchrun's store (``env.keep_restart_keys_apart``).
+
 ``--clip-grad`` > 0 works too (megatron-core's clipping asserts CUDA grads; ``--cpu`` calls
 it through its dtype-checked ``decoupled_grad`` path).
 
@@ -90,6 +93,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from ..cpu import enable_cpu_training
 
         enable_cpu_training()
+    from .env import keep_restart_keys_apart
+
+    restart = keep_restart_keys_apart()  # after hide_cuda: it may import torch
+    if restart and os.environ.get("RANK") == "0":
+        print(restart, file=sys.stderr, flush=True)
     from ..megatron_lm.install import install
 
     install()

@@ -128,6 +128,9 @@ rrfp_run() {
         # One torchrun per node; c10d rendezvous on the first node; one rank per GPU. SLURM's
         # --signal=USR1 reaches every process of the step: torchrun itself ignores it (its
         # default action would kill it), its ranks inherit that and install their own handler.
+        # A new rendezvous store every round: torch >= 2.5 otherwise keeps one across restarts and
+        # the restarted ranks meet the failed attempt's keys (docs/resilience.md).
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
         srun --ntasks-per-node=1 --kill-on-bad-exit="$kill_on_bad_exit" bash -c 'trap "" USR1; exec "$@"' rrfp-torchrun \
             "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$GPUS_PER_NODE" \
             --max-restarts "$RRFP_MAX_RESTARTS" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \

@@ -10,8 +10,7 @@ step), ``exit`` (the process exits at once, ``os._exit(3)``) or ``hang`` (the fo
 Python keeps running, so an asynchronous exception can still end it). Each fault fires once per process:
 after an in-process restart the same iteration runs through. ``RRFP_DRILL_ONCE_FILE``: a file that records
 the iterations already faulted, so a fault also fires once per job across new processes (torchrun's
-restarts, a relaunch). Each firing is printed as ``rrfp-drill: fault ...``. ``RRFP_DRILL_FRESH_STORE=1``:
-a new rendezvous store after each torchrun restart (``fresh_store_per_attempt``).
+restarts, a relaunch). Each firing is printed as ``rrfp-drill: fault ...``.
 ``RRFP_DRILL_DUMP_S``: every rank dumps all its threads' stacks that many seconds into the fault's
 iteration (where a restart spends its time).
 
@@ -128,17 +127,6 @@ def install_drill() -> None:
     schedules.forward_step = forward_step
 
 
-def fresh_store_per_attempt() -> None:
-    """``RRFP_DRILL_FRESH_STORE=1``: after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0), rank 0
-    hosts a new TCPStore on MASTER_PORT + the restart count instead of using the agent's store. Test code
-    for torchrun's in-job restarts: in the agent's store the failed attempt's keys are still there, and
-    the restarted workers' gloo connectFullMesh met its addresses (Connection refused)."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if os.environ.get("RRFP_DRILL_FRESH_STORE") == "1" and attempt > 0:
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + attempt)
-
-
 def main(argv: list[str]) -> None:
     from megatron_rrfp.launch.megatron_lm import build_parser
     from megatron_rrfp.launch.megatron_lm import main as launch
@@ -152,7 +140,6 @@ def main(argv: list[str]) -> None:
         hide_cuda()
         enable_cpu_training()
     install_drill()
-    fresh_store_per_attempt()
     launch(argv)
 
 
