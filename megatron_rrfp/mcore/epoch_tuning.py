@@ -43,7 +43,7 @@ class Measured:
 
     forward_s: list = field(default_factory=list)
     backward_s: list = field(default_factory=list)  # B, or B + W of one microbatch under the split
-    gather_s: float = 0.0  # every chunk's all-gathers before the loop
+    gather_s: float = 0.0  # the wait for every chunk's all-gathers before the loop (what the step left in flight)
     reduce_s: float = 0.0  # every chunk's reductions after it, until finalize_model_grads returned
     buckets: int = 0  # DDP bucket groups over the chunks
 
@@ -112,7 +112,7 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
                                    dp=min(data_parallel_size, MODELLED_REPLICAS))
         index[0] = variants.index(chosen)
         print_line(f"megatron-rrfp: the DP epoch rule runs with {chosen} (simulated on this job's measured "
-                   f"compute jitter {sigma:.2f}, B/F {ratio:.2f}, DP reduction {reduce:.2f} f0 and all-gather "
+                   f"compute jitter {sigma:.2f}, B/F {ratio:.2f}, DP reduction {reduce:.2f} f0 and all-gather wait "
                    f"{gather:.2f} f0 per bucket; {time.perf_counter() - began:.1f} s)")
     dist.broadcast(index, src=0)
     state.epoch_variants[job_key] = variants[int(index.item())]
