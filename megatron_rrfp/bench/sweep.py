@@ -74,7 +74,9 @@ def tradeoff_section(config, runs: list[dict], megatron_in_flight: int, megatron
     """The measured trade-off, shaped like ``sim.study.run_tradeoff``'s (``megatron_peak_in_flight``,
     ``studies``, ``curve``: per schedule its points in limit order), plus ``axes`` telling
     ``sim.curve.plot_tradeoff`` to draw measured speedup over peak activation MB."""
-    seeds = [config.seed * 100_003 + i for i in range(config.warmup, config.warmup + config.iterations)]
+    from .emulation import draw_seed
+
+    seeds = [draw_seed(config.seed, i) for i in range(config.warmup, config.warmup + config.iterations)]  # replica 0
     studies = [{"buffer_limit_spec": str(limit), "pipeline_size": config.pipeline_size,
                 "num_microbatches": config.num_microbatches, "num_chunks": config.num_chunks, "seeds": seeds,
                 "iterations": config.iterations} for limit in limit_list(config.buffer_limit)]
