@@ -428,6 +428,28 @@ def test_bankers_admission_keeps_room_for_older_microbatches():
     assert arbiter.choose({Task(Kind.F, 2, 0)}) == Task(Kind.F, 2, 0)
 
 
+def test_a_built_in_order_ranks_its_cool_down_as_bfw():
+    """Once a stage has run all its forwards, ZB-H1's fixed B/W interleave no longer decides: a ready B
+    runs ahead of the W listed before it (the deepest chunk's B first); an explicit list is read as given."""
+    topology, m = Topology(2, 2), 4
+    order = zbh1_order(1, topology, m)
+    done = order[: order.index(Task(Kind.B, 3, 1)) + 1]  # the last stage, through its last forward's B
+    assert not any(t.kind is Kind.F for t in order[len(done):])
+    ready = {Task(Kind.W, 1, 0), Task(Kind.B, 2, 0), Task(Kind.W, 2, 1)}
+    picks = []
+    for hint in ("zbh1", OrderedHint("listed", [zbh1_order(s, topology, m) for s in range(2)])):
+        arbiter = Arbiter(ArbiterConfig(hint=hint), stage=1, topology=topology, num_microbatches=m)
+        for task in done:
+            arbiter.record(task)
+        assert arbiter.forwards_left == 0
+        picks.append(arbiter.choose(ready))
+    assert picks == [Task(Kind.B, 2, 0), Task(Kind.W, 1, 0)], picks
+    arbiter = Arbiter(ArbiterConfig(hint="zbh1"), stage=1, topology=topology, num_microbatches=m)
+    for task in done:
+        arbiter.record(task)
+    assert arbiter.choose({Task(Kind.W, 2, 1), Task(Kind.W, 1, 0)}) == Task(Kind.W, 1, 0)  # no B: the oldest W
+
+
 def test_ordered_hint_runs_ahead_only_within_its_lookahead():
     topology = Topology(4)
     assert megatron_1f1b_order(0, topology, 8)[:4] == [Task(Kind.F, i) for i in range(4)]
