@@ -23,6 +23,13 @@ Megatron parsed the flags, which ``maybe_wrap_for_inprocess_restart`` does befor
 * **The parsed flags survive the restart** (``ArgsOnReentry``, used by the launcher's ``pretrain``
   wrapper): since core_v0.18.0 they are parsed before ``pretrain``, and Megatron's finalize step
   forgets them, so the second call failed with "args is not initialized".
+* **Blocking gloo collectives wait in slices** (CPU run): NVRx's abort ends NCCL operations only,
+  and its asynchronous exception cannot reach a thread inside gloo's wait, so a healthy rank in
+  Megatron's DP gradient all-reduce or TP broadcast waited for a failed peer until NVRx's hard
+  timeout. ``torch.distributed``'s blocking collectives (and ``_coalescing_manager``) on a gloo group
+  are issued asynchronously and waited for in slices of ``WAIT_SLICE_S``; a group whose operation
+  an exception interrupted is kept for the life of the process (freeing it would join gloo's worker
+  thread, still blocked until the peer's side of the group is gone).
 * **``--inprocess-granularity node``** builds one rank-assignment layer per host of exactly
   ``torch.cuda.device_count()`` ranks; a host running another number of ranks (any CPU run: the
   CPU redirection reports one device) cannot be assigned. Refused in one line before any rank
@@ -64,6 +71,8 @@ def prepare(args: Any, entry: Optional[Callable], *, cpu: bool) -> list[str]:
         done.append("NVRx's GPU/NVLink/NIC health checks left out (CPU run)")
     if cpu and finalize_without_cuda():
         done.append("NVRx's ThreadedFinalize runs without a CUDA device (CPU run)")
+    if cpu and wait_in_slices_on_gloo():
+        done.append(f"blocking gloo collectives wait in slices of {WAIT_SLICE_S:g} s (CPU run)")
     return done
 
 
@@ -162,6 +171,115 @@ def finalize_without_cuda() -> bool:
     return True
 
 
+WAIT_SLICE_S = 0.5
+"""How long a sliced gloo wait blocks at a time: NVRx's asynchronous exception arrives between slices."""
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "reduce", "barrier", "all_to_all_single", "gather", "scatter")
+_KEPT: list = []  # (group, work) pairs an exception interrupted: never freed in this process
+
+
+def wait_in_slices_on_gloo() -> bool:
+    """Make ``torch.distributed``'s blocking collectives on gloo groups (and ``_coalescing_manager``
+    without ``async_ops``) wait in slices, here and where megatron modules imported them by name.
+    True if this call changed them."""
+    import sys
+
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.all_reduce, "_rrfp_sliced", False):
+        return False
+    import torch.distributed as dist
+
+    replaced = {}  # id(original) -> its sliced version
+    for name in (*_COLLECTIVES, "_coalescing_manager"):
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        sliced = (_sliced_coalescing if name == "_coalescing_manager" else _sliced)(original)
+        replaced[id(original)] = sliced
+        setattr(c10d, name, sliced)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, sliced)
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[0] == "megatron" and module is not None:
+            for attribute, value in list(vars(module).items()):
+                if id(value) in replaced:
+                    setattr(module, attribute, replaced[id(value)])
+    return True
+
+
+def _gloo_group(group: Any) -> Any:
+    """The process group ``group`` names if it is a gloo group this rank belongs to, else None."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        resolved = c10d._get_default_group() if group is None or group is c10d.GroupMember.WORLD else group
+        return resolved if c10d.get_backend(resolved) == "gloo" else None
+    except (ValueError, RuntimeError):
+        return None
+
+
+def _wait(work: Any, group: Any) -> None:
+    """``work.wait()`` in slices; on an exception while it is pending, keep ``group`` and ``work``."""
+    import datetime
+
+    try:
+        while True:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # the operation itself failed
+                    raise
+    except BaseException:
+        if not work.is_completed():
+            _KEPT.append((group, work))
+        raise
+
+
+def _sliced(original: Callable) -> Callable:
+    import functools
+
+    from torch.distributed import distributed_c10d as c10d
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        group = None if bound.arguments.get("async_op") else _gloo_group(bound.arguments.get("group"))
+        if group is None or group in c10d._world.pg_coalesce_state:
+            return original(*args, **kwargs)
+        bound.arguments["async_op"] = True
+        work = original(*bound.args, **bound.kwargs)
+        if work is not None and hasattr(work, "is_completed"):
+            _wait(work, group)
+        return None
+
+    collective._rrfp_sliced = True
+    return collective
+
+
+def _sliced_coalescing(original: Callable) -> Callable:
+    import contextlib
+
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        gloo = None if async_ops else _gloo_group(group)
+        if gloo is None:
+            with original(group, device, async_ops) as manager:
+                yield manager
+            return
+        with original(group, device, True) as manager:
+            yield manager
+        for work in manager.works:
+            if work is not None and hasattr(work, "is_completed"):
+                _wait(work, gloo)
+
+    coalescing_manager._rrfp_sliced = True
+    return coalescing_manager
+
+
 def nvrx_conflict() -> Optional[str]:
     """A one-line error when the installed nvidia-resiliency-ext would make ``import megatron.core``
     fail (the megatron package found on ``sys.path`` checks NVRx's version at import); else None.
@@ -240,5 +358,5 @@ class ArgsOnReentry:
         return True
 
 
-__all__ = ["ArgsOnReentry", "call_wrapper_class", "check_granularity", "inject_call_wrapper", "finalize_without_cuda",
-           "leave_out_gpu_health_checks", "nvrx_conflict", "prepare"]
+__all__ = ["ArgsOnReentry", "WAIT_SLICE_S", "call_wrapper_class", "check_granularity", "inject_call_wrapper",
+           "finalize_without_cuda", "leave_out_gpu_health_checks", "nvrx_conflict", "prepare", "wait_in_slices_on_gloo"]

@@ -13,7 +13,9 @@ Rank 1 raises in its first forward step of iteration 4 (tests/helpers/inprocess_
 re-enters pretrain in the same processes, resumes from the checkpoint of iteration 2 and reaches
 iteration 6 with exit code 0. Asserted: no thread, session or calibration of the failed world is
 seen in the new one; the losses after the restart equal an uninterrupted run resumed from the same
-checkpoint; the goodput ledger names the restart in-process and the checkpoint persistent.
+checkpoint; the goodput ledger names the restart in-process and the checkpoint persistent. The same
+on 4 ranks at PP2 x DP2 and TP2 x PP2, where the healthy ranks first have to leave a blocking gloo
+collective of Megatron's (the launcher's sliced waits).
 """
 from __future__ import annotations
 
@@ -52,8 +54,9 @@ def _tree() -> str:
     pytest.skip(f"no MEGATRON_LM tree of megatron-core {installed[0]}.{installed[1]} (given: {TREES})")
 
 
-def _drill(tree: Path, cwd: Path, flags: list[str], fault_iteration: int) -> tuple[int, str]:
-    """pretrain_gpt.py through the drill (rank 1 raises at ``fault_iteration``; 0: never)."""
+def _drill(tree: Path, cwd: Path, flags: list[str], fault_iteration: int, *, nproc: int = 2,
+           rank: int = 1) -> tuple[int, str]:
+    """pretrain_gpt.py through the drill on ``nproc`` ranks (``rank`` raises at ``fault_iteration``; 0: never)."""
     cwd.mkdir(parents=True, exist_ok=True)
     python = sys.executable
     version = ".".join(map(str, sys.version_info[:3]))
@@ -61,8 +64,8 @@ def _drill(tree: Path, cwd: Path, flags: list[str], fault_iteration: int) -> tup
            "PATH": os.path.dirname(python) + os.pathsep + os.environ.get("PATH", ""),
            "PYENV_VERSION": os.environ.get("PYENV_VERSION", version),
            "PYTHONPATH": os.pathsep.join(p for p in (NVRX_SITE, str(TESTS), os.environ.get("PYTHONPATH")) if p),
-           "RRFP_DRILL_RANK": "1", "RRFP_DRILL_ITERATION": str(fault_iteration), "RRFP_DRILL_KIND": "raise"}
-    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "RRFP_DRILL_RANK": str(rank), "RRFP_DRILL_ITERATION": str(fault_iteration), "RRFP_DRILL_KIND": "raise"}
+    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "helpers.inprocess_drill", "--cpu", str(tree / "pretrain_gpt.py"), *COMMON, *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
     return result.returncode, result.stdout + result.stderr
@@ -113,3 +116,45 @@ def test_a_rank_that_raises_mid_iteration_restarts_in_process_and_matches_an_uni
     assert resumed and resumed[0]["mechanism"] == "in-process" and resumed[0]["checkpoint"] == "persistent", \
         disruptions
     assert resumed[0]["resumed_from"] == 2, disruptions
+
+
+LAYOUTS = {"dp2": ([], 1), "tp2": (["--tensor-model-parallel-size", "2"], 3)}
+"""4 ranks at PP2: DP2 (rank 1 raises; ranks 0 and 2 then wait in Megatron's gradient all-reduce), or
+TP2 (rank 3 raises; its TP peer, rank 2, waits in the broadcast of get_batch_on_this_tp_rank)."""
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not TREES, reason="MEGATRON_LM names no Megatron-LM tree")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_ranks_waiting_in_megatrons_gloo_collectives_restart_too(tmp_path, layout):
+    """The healthy ranks leave Megatron's blocking gloo collective (the launcher's sliced waits) and
+    the job restarts in-process, as at PP2; losses after it equal an uninterrupted resume."""
+    if not _nvrx_importable():
+        pytest.skip("nvidia-resiliency-ext is not importable (install the 'resilience' extra or set NVRX_SITE)")
+    extra, rank = LAYOUTS[layout]
+    flags = [*FLAGS, *extra, "--num-workers", "0"]
+    tree = copy_tree(_tree(), tmp_path)
+    run = tmp_path / "run"
+    code, log = _drill(tree, run, [*flags, "--save", "ckpt", "--load", "ckpt"], 4, nproc=4, rank=rank)
+    assert code == 0, log[-8000:]
+    assert f"rrfp-drill: fault raise on rank {rank} at iteration 4" in log, log[-4000:]
+    assert "blocking gloo collectives wait in slices" in log, log[-4000:]
+    worlds = re.findall(r"rrfp-drill: rank (\d) new world: old session open (\w+) \| calibrations carried (\d+) \| "
+                        r"old rrfp threads alive \[(.*?)\]", log)
+    assert sorted(w[0] for w in worlds) == ["0", "1", "2", "3"], log[-4000:]
+    assert all(w[1:] == ("False", "0", "") for w in worlds), worlds
+    restarted = _losses(log)
+    assert sorted(restarted) == [1, 2, 3, 4, 5, 6], restarted
+
+    reference = tmp_path / "reference"
+    (reference / "ckpt").mkdir(parents=True)
+    shutil.copytree(run / "ckpt" / "iter_0000002", reference / "ckpt" / "iter_0000002")
+    (reference / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    code, ref_log = _drill(tree, reference, [*flags, "--load", "ckpt", "--save", "ckpt2"], 0, nproc=4, rank=rank)
+    assert code == 0, ref_log[-8000:]
+    expected = _losses(ref_log)
+    print(f"\n{os.path.basename(_tree())} {layout}: after the in-process restart "
+          f"{[restarted[i] for i in range(3, 7)]}, uninterrupted from the same checkpoint "
+          f"{[expected.get(i) for i in range(3, 7)]}")
+    for it in range(3, 7):
+        assert restarted[it] == pytest.approx(expected[it], rel=1e-5), (it, restarted, expected)

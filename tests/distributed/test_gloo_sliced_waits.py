@@ -1,0 +1,25 @@
+"""The launcher's sliced waits for blocking gloo collectives (a CPU run with --inprocess-restart):
+exact sums with a late peer, plain and coalesced; an asynchronous exception reaches a rank blocked in
+an all-reduce its peer never joins, within a slice; the interrupted group is kept and a new group works.
+
+Through Megatron-LM and NVRx (PP2 x DP2, TP2 x PP2): tests/e2e/test_inprocess_restart_e2e.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import gloo_waits
+from megatron_rrfp.launch.function import launch
+from megatron_rrfp.megatron_lm.inprocess import WAIT_SLICE_S
+
+
+@pytest.mark.timeout(300)
+def test_sliced_gloo_waits_keep_the_sums_and_let_an_asynchronous_exception_through():
+    results = {r["rank"]: r for r in launch(gloo_waits.sliced_waits, world_size=2, timeout=240)}
+    for r in results.values():
+        assert r["changed"] and r["sliced"], r
+        assert r["sums"] == ([3.0] * 4, [3.0] * 3, [30.0] * 5), r
+        assert r["fresh_sum"] == [2.0, 2.0], r
+    interrupted = results[0]["interrupted_after_s"]
+    assert interrupted is not None and 1.0 <= interrupted < 1.0 + 4 * WAIT_SLICE_S, results[0]
+    assert results[0]["kept"] == 1, results[0]
