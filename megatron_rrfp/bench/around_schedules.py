@@ -7,8 +7,11 @@ megatron-core functions. RRFP's own tasks and inbox are reached through the runt
 points, ``RRFPConfig.around_task`` and ``RRFPConfig.deliver_message``; nothing here replaces a
 name of this package.
 
-* ``wrap_megatron_tasks(on_task)`` — every F / B that megatron-core's ``forward_step`` /
+* ``wrap_megatron_tasks(on_task, on_pair)`` — every F / B that megatron-core's ``forward_step`` /
   ``backward_step`` run (Megatron's schedules and RRFP's alike) goes through ``on_task(task, run)``;
+  a step of megatron-core's ``combined_1f1b.combined_forward_backward_step``
+  (``--overlap-moe-expert-parallel-comm``: Megatron's combined-1F1B schedule and RRFP's pairs) through
+  ``on_pair(forward, backward, run)`` when it holds both halves, else ``on_task`` of its one half;
 * ``weight_tasks(on_task)`` — an ``around_task`` that routes RRFP's W (its own task, no
   megatron-core function) through ``on_task`` too: with both, every task of both schedules;
 * ``sleep_before_tasks(delay)`` — an ``around_task`` sleeping ``delay(task)`` seconds before each
@@ -34,12 +37,16 @@ from typing import Any, Optional
 from ..policy.actions import Kind, Task
 
 OnTask = Callable[[Task, Callable[[], Any]], Any]
+OnPair = Callable[[Task, Task, Callable[[], Any]], Any]
 
 
-def wrap_megatron_tasks(on_task: OnTask) -> None:
+def wrap_megatron_tasks(on_task: OnTask, on_pair: Optional[OnPair] = None) -> None:
     """Route every F and B that megatron-core's ``forward_step`` / ``backward_step`` run in this
-    process through ``on_task(task, run)``; ``run()`` computes it."""
-    from megatron.core.pipeline_parallel import schedules
+    process through ``on_task(task, run)``; ``run()`` computes it. A combined step (megatron-core's
+    ``combined_forward_backward_step``, looked up at call time by its schedules and by
+    ``mcore.compat``) holding a forward and a backward goes through ``on_pair(forward, backward,
+    run)`` (without ``on_pair``: ``on_task`` of the forward around ``on_task`` of the backward)."""
+    from megatron.core.pipeline_parallel import combined_1f1b, schedules
 
     forward_step, backward_step = schedules.forward_step, schedules.backward_step
     forward_of: dict[int, Task] = {}  # id(output tensor) -> its forward: B learns its microbatch
@@ -58,6 +65,35 @@ def wrap_megatron_tasks(on_task: OnTask) -> None:
                        lambda: backward_step(input_tensor, output_tensor, *args, **kwargs))
 
     schedules.forward_step, schedules.backward_step = hooked_forward_step, hooked_backward_step
+    combined = combined_1f1b.combined_forward_backward_step
+
+    @functools.wraps(combined)
+    def hooked_combined_step(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor,
+                             forward_data_store, b_model, b_input_tensor, b_output_tensor, b_output_tensor_grad,
+                             config, *args, **kwargs):
+        def run():
+            return combined(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor,
+                            forward_data_store, b_model, b_input_tensor, b_output_tensor, b_output_tensor_grad,
+                            config, *args, **kwargs)
+
+        forward = None if f_model is None else \
+            Task(Kind.F, kwargs.get("current_microbatch"), kwargs.get("f_model_chunk_id") or 0)
+        backward = None
+        if b_model is not None:
+            key = b_output_tensor[0] if isinstance(b_output_tensor, list) else b_output_tensor
+            ran = forward_of.pop(id(key))
+            backward = Task(Kind.B, ran.microbatch, ran.chunk)
+        if forward is not None and backward is not None:
+            result = on_pair(forward, backward, run) if on_pair is not None else \
+                on_task(forward, lambda: on_task(backward, run))
+        else:
+            result = on_task(forward or backward, run)
+        if forward is not None:
+            output = result[0]
+            forward_of[id(output[0] if isinstance(output, list) else output)] = forward
+        return result
+
+    combined_1f1b.combined_forward_backward_step = hooked_combined_step
 
 
 def weight_tasks(on_task: OnTask) -> Callable[[Task, Callable[[], None]], None]:
@@ -101,11 +137,15 @@ class InFlightCounter:
             self.peak = max(self.peak, self.level)
         return result
 
+    def on_pair(self, forward: Task, backward: Task, run):
+        """A combined step: its backward's release, then its forward (as the simulator counts a pair)."""
+        return self.on_task(forward, lambda: self.on_task(backward, run))
+
 
 def count_in_flight() -> InFlightCounter:
     """Install a new ``InFlightCounter`` on megatron-core's F and B of this process."""
     counter = InFlightCounter()
-    wrap_megatron_tasks(counter.on_task)
+    wrap_megatron_tasks(counter.on_task, counter.on_pair)
     return counter
 
 

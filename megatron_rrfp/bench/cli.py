@@ -87,6 +87,12 @@ class BenchOptions:
                                  group=_PRODUCTION, bound=_BOUNDS["dp_gather_ms"])
     a2a_ms: float = option(0.0, "emulated device time of each MoE expert all-to-all (dispatch, combine; F and B)",
                            group=_PRODUCTION, bound=_BOUNDS["a2a_ms"])
+    overlap_moe_expert_parallel_comm: bool = switch(
+        "MoE: megatron-core's combined forward-backward step for every schedule (megatron-1f1b: Megatron's combined "
+        "1F1B, which needs --virtual-pipeline-model-parallel-size > 1; rrfp: a ready F paired with a ready B), a "
+        "pair's emulated time the longer of its compute and its all-to-alls", group=_PRODUCTION)
+    delay_wgrad_compute: bool = switch("with --overlap-moe-expert-parallel-comm: weight gradients inside the "
+                                       "combined step (megatron-core >= 0.19 on the local spec)", group=_PRODUCTION)
     rrfp_transport: str = option("auto", "RRFP's transport: rounds = the NCCL protocol CUDA runs, here on gloo",
                                  group=_PRODUCTION, choices=("auto", "threads", "rounds"))
     whole_stage_agreement: bool = switch("RRFP agrees over every DP replica of a stage, as on CUDA with "
@@ -138,6 +144,7 @@ def _run_bench(o: BenchOptions) -> int:
         overlap_grad_reduce=o.overlap_grad_reduce, use_distributed_optimizer=o.use_distributed_optimizer,
         overlap_param_gather=o.overlap_param_gather, dp_reduce_ms=o.dp_reduce_ms,
         dp_gather_ms=o.dp_gather_ms, a2a_ms=o.a2a_ms, whole_stage_agreement=o.whole_stage_agreement,
+        overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm, delay_wgrad_compute=o.delay_wgrad_compute,
         transport=o.rrfp_transport, dp_overlap=o.rrfp_dp_overlap,
         image_size=o.llava.img_h if llava is not None else None, patch_dim=o.llava.patch_dim, device=o.device,
         optimal=o.optimal, optimal_time_limit_s=o.optimal_time_limit)

@@ -28,7 +28,9 @@ needs a result sleeps until the channel delivers it.
   (``start_param_sync(force_sync=True)``), which then waits for every chunk's;
 * **all-to-alls** (``a2a_s`` each): megatron-core's ``_AllToAll`` (the alltoall dispatcher's
   dispatch and combine, in F and in B) sleeps ``a2a_s`` in place: a blocking collective inside
-  the task, counted as the task's device time (``take_task_device``).
+  the task, counted as the task's device time (``take_task_device``); inside a combined step
+  holding a forward and a backward (``counting_all_to_alls``) they are counted, not slept: the
+  pair's time is the longer of its compute and its all-to-alls (``emulation.py``).
 
 ``exposed_s`` is what the rank slept waiting on the channel in one iteration: the DP
 communication the schedule did not hide (the breakdown's ``dp_wait_s``).
@@ -156,6 +158,7 @@ class CommEmulator:
         self._channel = DPChannel()
         self.exposed_s = 0.0
         self._task_device = 0.0
+        self.counting_all_to_alls = False
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -226,7 +229,8 @@ class CommEmulator:
 
     def all_to_all(self) -> None:
         if self.times.a2a_s:
-            time.sleep(self.times.a2a_s)
+            if not self.counting_all_to_alls:
+                time.sleep(self.times.a2a_s)
             self._task_device += self.times.a2a_s
 
     # -- internals ---------------------------------------------------------------------

@@ -12,6 +12,10 @@ Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``around_sch
 * every task: sleep F / B / W of (stage, chunk, microbatch) — F and B inside megatron-core's
   ``forward_step`` / ``backward_step`` (``wrap_megatron_tasks``), RRFP's W through
   ``RRFPConfig.around_task`` (``rrfp_options``);
+* a combined step holding a forward and a backward (``--overlap-moe-expert-parallel-comm``:
+  Megatron's combined 1F1B and RRFP's pairs alike) takes what the simulator gives a pair
+  (``Realization.pair_duration``): max(compute F + compute B, all-to-all F + all-to-all B), the
+  all-to-alls being the draw's and those ``--a2a-ms`` emulates inside the step;
 * message latency — a message becomes usable at (its send time + modeled latency):
   Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox is handed the
   message then (``RRFPConfig.deliver_message``: ``around_schedules.HeldMessages``). Send times go
@@ -122,7 +126,7 @@ class DeviceTimeEmulator:
         if self._installed:
             return self
         self.rank = dist.get_rank()
-        wrap_megatron_tasks(self._run_task)
+        wrap_megatron_tasks(self._run_task, self._run_pair)
         communicate = p2p_communication.P2PCommunicator._communicate
         emulator = self
 
@@ -173,6 +177,57 @@ class DeviceTimeEmulator:
             self._sent(_F if task.kind is Kind.F else _B, task, end)
         self._span(task, start, end)
         return result
+
+    def _run_pair(self, forward: Task, backward: Task, run):
+        """A combined step of ``forward`` and ``backward``: sleep their compute, run them with the
+        emulated all-to-alls counted rather than slept, then sleep what the all-to-alls take beyond
+        the compute (each half's all-to-alls hidden behind the other's compute)."""
+        start = time.time()
+        waited = self.comm.before_task(forward) if self.comm is not None else 0.0
+        compute, drawn_comm, forward_share = self._pair_parts(forward, backward)
+        self._device_seconds(compute)
+        slept = time.time()
+        cpu = time.thread_time()
+        if self.comm is not None:
+            self.comm.counting_all_to_alls = True
+        try:
+            result = run()
+        finally:
+            if self.comm is not None:
+                self.comm.counting_all_to_alls = False
+        all_to_all = drawn_comm + (self.comm.take_task_device() if self.comm is not None else 0.0)
+        beyond = max(0.0, all_to_all - compute)
+        before_rest = time.time()
+        self._device_seconds(beyond)
+        if self._device_sleep is not None:
+            self._device_sleep.drain()
+        end = time.time()
+        device, host, host_cpu = max(compute, all_to_all) + waited, before_rest - slept, time.thread_time() - cpu
+        overrun = slept - start - compute - waited
+        self.tally.add(Kind.F, device * forward_share, overrun, host * forward_share, host_cpu * forward_share)
+        self.tally.add(Kind.B, device * (1 - forward_share), 0.0, host * (1 - forward_share),
+                       host_cpu * (1 - forward_share))
+        self._sent(_F, forward, end)
+        self._sent(_B, backward, end)
+        # the runtime's category for a pair (runtime/executor.py): one span, counted busy once
+        self.spans.append(Span(self.rank, f"{forward}+{backward}", "F+B", start - self._t0, end - self._t0))
+        return result
+
+    def _pair_parts(self, forward: Task, backward: Task) -> tuple[float, float, float]:
+        """(compute of both halves, their drawn all-to-all time, the forward's share of the two)."""
+        if self.realization is None:
+            return 0.0, 0.0, 0.5
+        r = self.realization
+        f, b = r.duration(self.stage, forward, False), r.duration(self.stage, backward, False)
+        comm = (r.backward_comm[self.stage][forward.chunk][forward.microbatch]
+                + r.backward_comm[self.stage][backward.chunk][backward.microbatch]) if r.backward_comm else 0.0
+        return f + b - comm, comm, f / (f + b) if f + b > 0 else 0.5
+
+    def _device_seconds(self, seconds: float) -> None:
+        if self._device_sleep is not None:
+            self._device_sleep.sleep(seconds)
+        elif seconds > 0:
+            time.sleep(seconds)
 
     def begin_iteration(self, realization: Realization) -> None:
         self.realization = realization

@@ -47,6 +47,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     from .around_schedules import count_in_flight, count_received
     from .comm_emulation import comm_emulator
     from .emulation import DeviceTimeEmulator, SendTimeTable, draw_seed
+    from .pairs import paired_arbiter
 
     enable_cpu_reference_schedules()  # a no-op in a rank on CUDA
     device = pipeline_device()
@@ -83,7 +84,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
     done = 0
     state = {}
     for run in runs:
-        arbiter = run.arbiter()
+        arbiter = paired_arbiter(config, run.arbiter())  # as RRFP's runtime runs it under the flag
         state[run.key] = {"arbiter": arbiter, "split_backward": arbiter.parsed_hint.for_layout(
             topology, split_backward=arbiter.split_backward_ok).split_backward, "walls": [], "busy": [],
             "spans": [], "breakdowns": [], "tasks": [], "memory": {
@@ -150,7 +151,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
         wall = torch.tensor([elapsed], dtype=torch.float64)
         recorder.iteration(ledger_iteration, tokens=tokens, report=report, memory=measured[:2])
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W"))
+        compute = sum(s.end - s.start for s in own_spans if s.category in ("F", "B", "W", "F+B"))
         busy_total = torch.tensor([compute], dtype=torch.float64)
         dist.all_reduce(busy_total)
         if iteration >= config.warmup:

@@ -33,6 +33,7 @@ from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from ..policy.budget import LimitSpec, check_limit_spec, starting_limit
 from ..sim.variability import VARIABILITY_LEVELS, Variability
 from .comm_emulation import check_communication
+from .pairs import check_paired
 from .rank import bench_rank, run_in_this_process
 from .summary import summarize
 from .sweep import BENCH_SCHEDULES, DEFAULT_SCHEDULES, BenchRun, bench_runs, limit_list
@@ -100,6 +101,11 @@ class BenchConfig:
     """Emulated device time of one model chunk's parameter all-gather (--use-distributed-optimizer)."""
     a2a_ms: float = 0.0
     """Emulated device time of each MoE expert all-to-all (dispatch / combine, in F and in B)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """megatron-core's combined forward-backward step for every schedule (bench/pairs.py): Megatron's
+    combined-1F1B interleaved schedule as megatron-1f1b, RRFP pairing a ready forward with a ready backward."""
+    delay_wgrad_compute: bool = False
+    """With the flag above: the weight gradients inside the combined step (megatron-core >= 0.19 locally)."""
     transport: str = "auto"
     """RRFP's transport (RRFPConfig.transport): auto, threads, or rounds (the NCCL protocol CUDA runs, on gloo)."""
     dp_overlap: str = "auto"
@@ -181,6 +187,7 @@ class BenchConfig:
                              "with --model gpt or hybrid")
         self._check_values_and_layout()
         check_communication(self)
+        check_paired(self)
         if self.optimal:
             self._check_optimal()
 

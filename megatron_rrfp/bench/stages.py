@@ -27,6 +27,9 @@ def build_stage(config):
         tconfig = models.tiny_gpt_config(hidden_size=config.hidden_size, batch_p2p_comm=config.num_chunks == 1,
                                          sequence_parallel=config.sequence_parallel,
                                          **moe_options(config.workload))
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):  # as train sets them (train/builders.py)
+            tconfig.overlap_moe_expert_parallel_comm = True
+            tconfig.delay_wgrad_compute = bool(config.delay_wgrad_compute)
         vp_stages = [c if config.num_chunks > 1 else None for c in range(config.num_chunks)]
         if config.model == "gpt":
             chunks = [models.build_gpt_stage(tconfig, vocab_size=128, seq_length=config.seq_length, seed=config.seed,

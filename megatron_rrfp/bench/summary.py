@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..runtime.report import BREAKDOWN_FIELDS
 from .emulation import draw_seed
+from .pairs import paired_arbiter, simulate_schedule
 from .sweep import SIM_POLICY as _SIM_POLICY
 from .sweep import limit_list, tradeoff_section
 
@@ -59,8 +60,16 @@ def summarize(config, per_rank: list[dict]) -> dict:
         orders.append([])
         for run in bench_runs:
             # the byte budget the executor ran with (1x: policy/membytes.py), so the simulation decides alike
-            arbiter_config = replace(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
-                                     memory_bytes=byte_budgets[run.key])
+            arbiter_config = paired_arbiter(config, replace(policy(_SIM_POLICY[run.schedule], sim_limits[run.key]),
+                                                            memory_bytes=byte_budgets[run.key]))
+            if config.overlap_moe_expert_parallel_comm:  # combined steps: pairs (bench/pairs.py)
+                sims.setdefault(run.key, []).append(max(simulate_schedule(config, run.schedule, arbiter_config,
+                                                                          topology, r) for r in replicas))
+                if host_costs[run.key] is not None:
+                    sims_host.setdefault(run.key, []).append(max(simulate_schedule(
+                        config, run.schedule, arbiter_config, topology, with_host_cost(r, host_costs[run.key]))
+                        for r in replicas))
+                continue
             simulated = [simulate(arbiter_config, topology, config.num_microbatches, r) for r in replicas]
             sims.setdefault(run.key, []).append(max(s.makespan for s in simulated))  # the slower replica
             orders[-1].append(simulated[0].orders)
