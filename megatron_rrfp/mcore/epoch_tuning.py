@@ -12,8 +12,8 @@ start-up. So, per (model chunks, layout, M), as ``auto_limit`` does for the buff
 2. choose: the next training call, on every rank at once, averages the task figures over the
    world and takes the slowest rank's DP communication (collectives over the default group),
    and global rank 0 runs ``sim.dp_epochs.choose_variant`` on them (the job's DP size up to
-   ``MODELLED_REPLICAS`` replicas, up to 8 seeds within a task budget) and broadcasts the
-   choice; rank 0 prints it once. From then on every call of that job runs the chosen variant.
+   ``MODELLED_REPLICAS`` replicas, up to ``CHOICE_SEEDS`` seeds within a task budget) and
+   broadcasts the choice; rank 0 prints it once. From then on every call of that job runs the chosen variant.
 
 The simulator's message latency is not measured: it takes the reference level's whose compute
 jitter is nearest the measured one (``sim.variability.VARIABILITY_LEVELS``).

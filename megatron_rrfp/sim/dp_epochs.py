@@ -185,13 +185,17 @@ CHOICE_TOLERANCE = 0.005
 fewest DP points is chosen (its iteration depends least on the draws)."""
 CHOICE_TASK_BUDGET = 200_000
 """Simulated tasks one choice may take (the seeds it runs: ``choice_seeds``)."""
+CHOICE_SEEDS = 24
+"""Seeds a small layout's choice runs: variants' medians lie within a few percent of each other, and
+fewer seeds let a variant that is behind on most draws win the choice."""
 
 
 def choice_seeds(topology: Topology, num_microbatches: int, dp: int = 2) -> int:
-    """Seeds a choice runs: up to 8, fewer where a layout's tasks would exceed the budget (at least 1)."""
+    """Seeds a choice runs: up to ``CHOICE_SEEDS``, fewer where a layout's tasks would exceed the
+    budget (at least 1)."""
     per_seed = 3 * topology.num_stages * topology.num_chunks * num_microbatches * dp * \
         len(candidate_variants(topology.num_chunks))
-    return max(1, min(8, CHOICE_TASK_BUDGET // per_seed))
+    return max(1, min(CHOICE_SEEDS, CHOICE_TASK_BUDGET // per_seed))
 
 
 def best_variant(times: dict, num_chunks: int) -> EpochVariant:
@@ -213,6 +217,6 @@ def choose_variant(config: ArbiterConfig, topology: Topology, num_microbatches: 
     return best_variant(times, topology.num_chunks), times
 
 
-__all__ = ["CHOICE_TASK_BUDGET", "CHOICE_TOLERANCE", "DPPoint", "EpochBook", "EpochVariant", "Timeline", "best_variant",
-           "choice_seeds", "choose_variant", "dp_points", "megatron_orders", "policy_orders", "run_with_epochs",
-           "static_timeline", "variant_times", "variant_traces"]
+__all__ = ["CHOICE_SEEDS", "CHOICE_TASK_BUDGET", "CHOICE_TOLERANCE", "DPPoint", "EpochBook", "EpochVariant",
+           "Timeline", "best_variant", "choice_seeds", "choose_variant", "dp_points", "megatron_orders",
+           "policy_orders", "run_with_epochs", "static_timeline", "variant_times", "variant_traces"]
