@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..policy.arbiter import Arbiter
-from ..policy.epochs import EpochBook, EpochVariant, timeline_for
+from ..policy.epochs import EpochBook, EpochVariant, Timeline, timeline_for
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from ..ranks import print_line
@@ -121,12 +121,14 @@ class ScheduleCall:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         self._open.enter_context(self.meter)
-        book = self._epoch_book()
+        timeline = self._epoch_timeline()
+        # a variant with no DP point left runs no book: plain rounds, its DP collectives outside the loop
+        book = EpochBook(timeline, place.topology, place.stage) if timeline is not None and timeline.points else None
         self.grad_sync = GradSyncController(config, inputs.models, pp_rank=place.stage,
                                             num_microbatches=inputs.num_microbatches,
                                             forward_only=inputs.forward_only, in_loop=place.dp_mode != AFTER_LOOP,
-                                            after_loop_chunks=book.timeline.deferred if book else frozenset(),
-                                            gathers_before=book is not None and book.timeline.gathers_before)
+                                            after_loop_chunks=timeline.deferred if timeline else frozenset(),
+                                            gathers_before=timeline is not None and timeline.gathers_before)
         if self.measuring:
             self._gather_s = epoch_tuning.timed(place.device, self.grad_sync.start)
         else:
@@ -190,14 +192,12 @@ class ScheduleCall:
         self._open.close()
         recovery.after_failure(self.place.config, self.grad_sync, self.state)
 
-    def _epoch_book(self) -> Optional[EpochBook]:
-        """This stage's book of the DP epoch rule for this call (dp_overlap.py's ``EPOCHS``), or None."""
-        place, inputs = self.place, self.inputs
+    def _epoch_timeline(self) -> Optional[Timeline]:
+        """The static timeline of the DP epoch rule's variant for this call (dp_overlap.py's ``EPOCHS``), or None."""
         if self.variant is None:
             return None
-        timeline = timeline_for(self.options.arbiter, place.topology, inputs.num_microbatches,
-                                self.arbiter.split_backward, self.variant)
-        return EpochBook(timeline, place.topology, place.stage)
+        return timeline_for(self.options.arbiter, self.place.topology, self.inputs.num_microbatches,
+                            self.arbiter.split_backward, self.variant)
 
     def _stage_work(self) -> MegatronStageWork:
         place, inputs = self.place, self.inputs

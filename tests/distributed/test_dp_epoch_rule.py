@@ -34,13 +34,22 @@ def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), c
     from megatron_rrfp.selfcheck.equivalence import gpt_equivalence
 
     books: list = []
-    original = executor.PipelineIteration.__init__
+    original, controlling = executor.PipelineIteration.__init__, GradSyncController.__init__
+    controllers: list = []
 
     def recording(self, *args, **kwargs):  # which iterations ran under the rule, from outside the package
-        book = kwargs.get("epochs")
-        books.append(book is not None and (tuple(sorted(book.timeline.deferred)), book.timeline.gathers_before))
+        sync = controllers[-1]  # the call builds its grad-sync controller right before the iteration
+        # False: the measuring call (DP collectives out of the loop); else the variant's DP collectives
+        # kept out of the loop, and whether the rule's book ran (a variant with no DP point runs none)
+        books.append(sync.in_loop and (tuple(sorted(sync.after_loop_chunks)), sync.gathers_before,
+                                       kwargs.get("epochs") is not None))
         original(self, *args, **kwargs)
 
+    def controller(self, *args, **kwargs):
+        controlling(self, *args, **kwargs)
+        controllers.append(self)
+
+    GradSyncController.__init__ = controller
     made, launching = ScheduleState.__init__, GradSyncController._launch_after_loop
     after_loop: list = []
 
@@ -67,7 +76,7 @@ def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), c
                                         iterations=2, num_microbatches=2 * pp, device="cpu") for hint in hints]
     finally:
         executor.PipelineIteration.__init__, ScheduleState.__init__ = original, made
-        GradSyncController._launch_after_loop = launching
+        GradSyncController._launch_after_loop, GradSyncController.__init__ = launching, controlling
     return results + [after_loop, books]
 
 
@@ -114,5 +123,6 @@ def test_epoch_rule_variants_with_dp_collectives_out_of_the_loop_equal_megatron(
     variants = (EpochVariant("policy", frozenset({0})), EpochVariant("megatron", every, gathers_before=chunks > 2))
     ran, after_loop = _check(launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540,
                                     args=(2, hints, variants, chunks)), hints, len(variants), measured=False)
-    assert set(ran) == {((0,), False), (tuple(every), chunks > 2)}, ran  # the timelines of those variants ran
+    # the timelines of those variants ran; with every chunk after the loop no DP point is left, and no book runs
+    assert set(ran) == {((0,), False, True), (tuple(every), chunks > 2, False)}, ran
     assert set(after_loop) == {(0,), tuple(every)}, after_loop  # and their reductions went after the loop

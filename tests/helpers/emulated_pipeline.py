@@ -476,8 +476,9 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
                                             num_chunks=job.chunks, split_backward=split, forward_only=False)
                 arbiter = plan.arbiter(stage)
                 book = None
-                if job.epoch_rule:
-                    timeline = timeline_for(plan.config, topology, job.microbatches, split, job.variant)
+                timeline = timeline_for(plan.config, topology, job.microbatches, split, job.variant) \
+                    if job.epoch_rule else None
+                if timeline is not None and timeline.points:  # as mcore/call.py: no DP point, no book
                     book = (_PinnedOnly if job.protocol == "rounds-without-epoch-order" else EpochBook)(
                         timeline, topology, stage)
                 report = PipelineIteration(work=work, arbiter=arbiter, topology=topology, stage=stage,
