@@ -76,6 +76,29 @@ def _losses(log: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(log)}
 
 
+def _restarted_losses(log: str, ranks: int) -> dict[int, float]:
+    """Every rank's new world holds nothing of the failed one's (session, calibrations, threads);
+    the losses the restarted job logged, iterations 1-6."""
+    worlds = re.findall(r"rrfp-drill: rank (\d) new world: old session open (\w+) \| calibrations carried (\d+) \| "
+                        r"old rrfp threads alive \[(.*?)\]", log)
+    assert sorted(w[0] for w in worlds) == [str(r) for r in range(ranks)], log[-4000:]
+    assert all(w[1:] == ("False", "0", "") for w in worlds), worlds
+    restarted = _losses(log)
+    assert sorted(restarted) == [1, 2, 3, 4, 5, 6], restarted
+    return restarted
+
+
+def _resumed_uninterrupted(tmp_path: Path, run: Path, tree, flags: list[str], **drill) -> str:
+    """The log of a job that resumes the run's checkpoint of iteration 2 and is not interrupted."""
+    reference = tmp_path / "reference"
+    (reference / "ckpt").mkdir(parents=True)
+    shutil.copytree(run / "ckpt" / "iter_0000002", reference / "ckpt" / "iter_0000002")
+    (reference / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    code, ref_log = _drill(tree, reference, [*flags, "--load", "ckpt", "--save", "ckpt2"], 0, **drill)
+    assert code == 0, ref_log[-8000:]
+    return ref_log
+
+
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(not TREES, reason="MEGATRON_LM names no Megatron-LM tree")
 def test_a_rank_that_raises_mid_iteration_restarts_in_process_and_matches_an_uninterrupted_resume(tmp_path):
@@ -87,20 +110,10 @@ def test_a_rank_that_raises_mid_iteration_restarts_in_process_and_matches_an_uni
     assert code == 0, log[-8000:]
     assert "rrfp-drill: fault raise on rank 1 at iteration 4" in log, log[-4000:]
     assert "megatron-rrfp: --inprocess-restart:" in log  # the launcher's repairs, named once
-    worlds = re.findall(r"rrfp-drill: rank (\d) new world: old session open (\w+) \| calibrations carried (\d+) \| "
-                        r"old rrfp threads alive \[(.*?)\]", log)
-    assert sorted(w[0] for w in worlds) == ["0", "1"], log[-4000:]
-    assert all(w[1:] == ("False", "0", "") for w in worlds), worlds
-    restarted = _losses(log)
-    assert sorted(restarted) == [1, 2, 3, 4, 5, 6], restarted
+    restarted = _restarted_losses(log, 2)
 
     # the same checkpoint (iteration 2), resumed by a job that is not interrupted
-    reference = tmp_path / "reference"
-    (reference / "ckpt").mkdir(parents=True)
-    shutil.copytree(run / "ckpt" / "iter_0000002", reference / "ckpt" / "iter_0000002")
-    (reference / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
-    code, ref_log = _drill(tree, reference, [*FLAGS, "--load", "ckpt", "--save", "ckpt2"], 0)
-    assert code == 0, ref_log[-8000:]
+    ref_log = _resumed_uninterrupted(tmp_path, run, tree, FLAGS)
     expected = _losses(ref_log)
     assert sorted(expected) == [3, 4, 5, 6], expected
     print(f"\n{os.path.basename(_tree())}: after the in-process restart {[restarted[i] for i in range(3, 7)]}, "
@@ -139,19 +152,9 @@ def test_ranks_waiting_in_megatrons_gloo_collectives_restart_too(tmp_path, layou
     assert code == 0, log[-8000:]
     assert f"rrfp-drill: fault raise on rank {rank} at iteration 4" in log, log[-4000:]
     assert "blocking gloo collectives wait in slices" in log, log[-4000:]
-    worlds = re.findall(r"rrfp-drill: rank (\d) new world: old session open (\w+) \| calibrations carried (\d+) \| "
-                        r"old rrfp threads alive \[(.*?)\]", log)
-    assert sorted(w[0] for w in worlds) == ["0", "1", "2", "3"], log[-4000:]
-    assert all(w[1:] == ("False", "0", "") for w in worlds), worlds
-    restarted = _losses(log)
-    assert sorted(restarted) == [1, 2, 3, 4, 5, 6], restarted
+    restarted = _restarted_losses(log, 4)
 
-    reference = tmp_path / "reference"
-    (reference / "ckpt").mkdir(parents=True)
-    shutil.copytree(run / "ckpt" / "iter_0000002", reference / "ckpt" / "iter_0000002")
-    (reference / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
-    code, ref_log = _drill(tree, reference, [*flags, "--load", "ckpt", "--save", "ckpt2"], 0, nproc=4, rank=rank)
-    assert code == 0, ref_log[-8000:]
+    ref_log = _resumed_uninterrupted(tmp_path, run, tree, flags, nproc=4, rank=rank)
     expected = _losses(ref_log)
     print(f"\n{os.path.basename(_tree())} {layout}: after the in-process restart "
           f"{[restarted[i] for i in range(3, 7)]}, uninterrupted from the same checkpoint "
