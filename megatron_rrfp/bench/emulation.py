@@ -219,9 +219,8 @@ class DeviceTimeEmulator:
             return 0.0, 0.0, 0.5
         r = self.realization
         f, b = r.duration(self.stage, forward, False), r.duration(self.stage, backward, False)
-        comm = (r.backward_comm[self.stage][forward.chunk][forward.microbatch]
-                + r.backward_comm[self.stage][backward.chunk][backward.microbatch]) if r.backward_comm else 0.0
-        return f + b - comm, comm, f / (f + b) if f + b > 0 else 0.5
+        compute, comm = r.pair_parts(self.stage, forward, backward)  # the simulator's own split
+        return compute, comm, f / (f + b) if f + b > 0 else 0.5
 
     def _device_seconds(self, seconds: float) -> None:
         if self._device_sleep is not None:
@@ -255,10 +254,7 @@ class DeviceTimeEmulator:
         seconds = self.realization.duration(self.stage, task, self.split_backward)
         if self.split_backward and not self._deferred(task):  # the byte budget ran its B unsplit
             seconds = 0.0 if task.kind is Kind.W else self.realization.duration(self.stage, task, False)
-        if self._device_sleep is not None:
-            self._device_sleep.sleep(seconds)
-        else:
-            time.sleep(seconds)
+        self._device_seconds(seconds)
         return seconds
 
     def _deferred(self, task: Task) -> bool:

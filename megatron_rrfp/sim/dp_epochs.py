@@ -18,7 +18,8 @@ reduction starts once the slower replica launched it). Units of f0.
 
 ``choose_variant`` is the rule's one free choice (``policy.epochs.EpochVariant``: which
 static order, which chunks reduce after the loop), made by this simulator on the job's own
-layout, variability and DP communication: the variant with the smallest median iteration.
+layout, variability and DP communication: among the variants within ``CHOICE_TOLERANCE`` of the
+smallest median iteration, the one with the fewest DP points.
 """
 from __future__ import annotations
 

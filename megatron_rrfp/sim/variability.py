@@ -165,12 +165,14 @@ class Realization:
         two resources, max(compute F + compute B, all-to-all F + all-to-all B). Optimistic: the
         layer-by-layer dependencies inside the step (an all-to-all waits for its own layer's
         compute) are not modelled. Without MoE communication it is the two in series."""
+        return max(self.pair_parts(stage, forward, backward))
+
+    def pair_parts(self, stage: int, forward: Task, backward: Task) -> tuple[float, float]:
+        """(compute of both halves, the all-to-all time inside them) of a combined step."""
         alone = self.duration(stage, forward, False) + self.duration(stage, backward, False)
-        if not self.backward_comm:
-            return alone
         comm = (self.backward_comm[stage][forward.chunk][forward.microbatch]
-                + self.backward_comm[stage][backward.chunk][backward.microbatch])
-        return max(alone - comm, comm)
+                + self.backward_comm[stage][backward.chunk][backward.microbatch]) if self.backward_comm else 0.0
+        return alone - comm, comm
 
 
 def with_host_cost(realization: Realization, host_cost: list) -> Realization:
