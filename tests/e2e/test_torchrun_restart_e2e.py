@@ -11,12 +11,11 @@ repair; with torch's own switch TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the SLURM 
 the launcher changes nothing and the restart works too; the same script run by torchrun without
 the launcher is the control (torch's shared rendezvous store still holds the first attempt's
 keys: the restarted ranks fail to connect). Each torchrun runs in its own process group with a
-timeout; on timeout that group (torchrun and its workers, all started here) is killed.
+timeout; on timeout torchrun and every process under it (all started here) are killed.
 """
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,10 +57,27 @@ def _torchrun(tmp_path: Path, *command: str, timeout_s: float = 240,
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's session: only what this test started
-            out, _ = proc.communicate()
+            _kill_tree(proc.pid)
+            out, _ = proc.communicate(timeout=30)
             return None, out + f"\n(torchrun did not finish within {timeout_s} s: killed)"
     return proc.returncode, out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process under it. torch's elastic agent starts each worker in a
+    session of its own, so killing torchrun's group alone leaves workers holding the output pipe."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=10)
 
 
 @pytest.mark.timeout(600)
