@@ -76,7 +76,8 @@ def summarize(config, per_rank: list[dict]) -> dict:
             if config.dp_reduce_ms or config.dp_gather_ms:
                 sims_dp.setdefault(run.key, []).append(_with_dp_comm(config, arbiter_config, topology, replicas,
                                                                      rrfp=run.schedule != "megatron-1f1b",
-                                                                     variability=variability))
+                                                                     variability=variability,
+                                                                     kept=first[run.key].get("dp_epoch_variant")))
             if host_costs[run.key] is not None:
                 sims_host.setdefault(run.key, []).append(max(simulate(
                     arbiter_config, topology, config.num_microbatches,
@@ -152,16 +153,17 @@ def _add_optimum(config, runs, bench_runs, topology, realizations, orders, sim_l
         report["over_optimum"] = report["iteration_time_s"]["median"] / optimum["makespan_median"]
 
 
-def _with_dp_comm(config, arbiter_config, topology, replicas, *, rrfp: bool, variability) -> float:
+def _with_dp_comm(config, arbiter_config, topology, replicas, *, rrfp: bool, variability,
+                  kept: Optional[str] = None) -> float:
     """The simulated iteration with ``sim/dp_comm.py``'s DP channel, one draw per DP replica (a
     reduction starts once every replica launched it): one bucket per chunk (the
     bench's DDP layout), the bench's emulated times (seconds, like the realization's); RRFP's
     choice of ``mcore/dp_overlap.py`` as it runs: after-loop as DP communication at the end, the
-    epoch rule through ``sim/dp_epochs.py`` in the variant the simulator chooses for the bench's
-    own jitter and DP communication (what ``mcore/epoch_tuning.py`` estimates from a measured call)."""
+    epoch rule through ``sim/dp_epochs.py`` in the variant the run kept (``kept``, its name), else
+    the one the simulator chooses for the bench's own jitter and DP communication."""
     from ..mcore.dp_overlap import AFTER_LOOP, EPOCHS, dp_communication_of_layout
     from ..mcore.epoch_tuning import MODELLED_REPLICAS
-    from ..policy.epochs import timeline_for
+    from ..policy.epochs import candidate_variants, timeline_for
     from ..policy.plan import Plan
     from ..sim.dp_comm import DPComm, replicas_iteration_time
     from ..sim.dp_epochs import choose_variant, run_with_epochs
@@ -179,8 +181,9 @@ def _with_dp_comm(config, arbiter_config, topology, replicas, *, rrfp: bool, var
         if key not in _CHOSEN:
             _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm,
                                           dp=min(config.data_parallel, MODELLED_REPLICAS))[0]
+        variant = next((v for v in candidate_variants(topology.num_chunks) if str(v) == kept), _CHOSEN[key])
         timeline = timeline_for(arbiter_config, topology, m, Plan.build(arbiter_config, topology, m).split_backward,
-                                _CHOSEN[key])
+                                variant)
         traces = [run_with_epochs(arbiter_config, topology, m, r, timeline).trace for r in replicas]
         deferred = timeline.deferred
     else:

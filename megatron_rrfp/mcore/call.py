@@ -108,7 +108,9 @@ class ScheduleCall:
     report: Optional[IterationReport] = None
     measuring: bool = False  # epoch_tuning's measuring call: the DP collectives out of the loop, timed
     variant: Optional[EpochVariant] = None  # the job's variant of the DP epoch rule, where it runs
+    trial: Optional[epoch_tuning.Trial] = None  # epoch_tuning's trial, which times this call
     _gather_s: float = 0.0
+    _began: float = 0.0
     _embedding: Any = None
     _open: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -120,8 +122,10 @@ class ScheduleCall:
             self._embedding = compat.clear_embedding_activation_buffer(config, inputs.models, place.is_last_stage)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        timeline = self._epoch_timeline()  # made once per variant: not timed
+        if self.trial is not None:
+            self._began = epoch_tuning.clock(place.device)
         self._open.enter_context(self.meter)
-        timeline = self._epoch_timeline()
         # a variant with no DP point left runs no book: plain rounds, its DP collectives outside the loop
         book = EpochBook(timeline, place.topology, place.stage) if timeline is not None and timeline.points else None
         self.grad_sync = GradSyncController(config, inputs.models, pp_rank=place.stage,
@@ -161,6 +165,8 @@ class ScheduleCall:
                 report.spans = []
         else:
             self._sync_and_finalize()
+        if self.trial is not None:
+            self.trial.seconds.append(epoch_tuning.clock(self.place.device) - self._began)
         self._open.close()  # the meter's peak is final
         report.peak_activation_bytes, report.activation_measure = self.meter.peak_bytes, self.meter.method
         report.buffer_limit = 0 if inputs.forward_only or self.options.arbiter.strict else arbiter.buffer_limit
@@ -229,18 +235,20 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                   forward_only=inputs.forward_only)  # pairs F and B; never splits them
     options = with_split_capability(options, inputs.models, state=state,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
-    measuring, variant = False, None
+    measuring, variant, trial = False, None, None
     if place.dp_mode == EPOCHS and not inputs.forward_only:  # which of the rule's variants (epoch_tuning.py)
         job = epoch_variant_key(inputs.models, place.topology, inputs.num_microbatches)
         step = epoch_tuning.phase(state, job)
         if step == "choose":
             epoch_tuning.choose(state, job, options.arbiter, place.topology, inputs.num_microbatches, place.device,
                                 place.data_parallel_size)
+        elif step == "decide":
+            epoch_tuning.decide(state, job, place.device)
         measuring = step == "measure"
         if measuring:  # safe on the rounds transport as it is: the replicas meet only outside the loop
             place = dataclasses.replace(place, dp_mode=AFTER_LOOP)
         else:
-            variant = state.epoch_variants.get(job)
+            variant, trial = epoch_tuning.variant_for(state, job)
     where = dict(models=inputs.models, topology=place.topology, num_microbatches=inputs.num_microbatches,
                  stage=place.stage, forward_only=inputs.forward_only, device=place.device, pp_group=place.groups.pp,
                  agreement_group=runtime.agreement_group)
@@ -259,7 +267,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
                                 forward_only=inputs.forward_only, device=runtime.device)
     return ScheduleCall(state=state, options=options, inputs=inputs, place=place, session=runtime, limit=limit,
                         in_bytes=in_bytes, arbiter=arbiter, meter=meter, wgrad_store=store, agreement=agreement,
-                        measuring=measuring, variant=variant)
+                        measuring=measuring, variant=variant, trial=trial)
 
 
 def _transport_for(options: RRFPConfig, dp_mode: str) -> str:

@@ -13,7 +13,12 @@ start-up. So, per (model chunks, layout, M), as ``auto_limit`` does for the buff
    world and takes the slowest rank's DP communication (collectives over the default group),
    and global rank 0 runs ``sim.dp_epochs.choose_variant`` on them (the job's DP size up to
    ``MODELLED_REPLICAS`` replicas, up to ``CHOICE_SEEDS`` seeds within a task budget) and
-   broadcasts the choice; rank 0 prints it once. From then on every call of that job runs the chosen variant.
+   broadcasts the choice; rank 0 prints it once;
+3. try: where the choice keeps a DP point, the next ``2 * TRIAL_CALLS`` training calls alternate it
+   with the fastest simulated variant that keeps none (that call is timed, device drained), and
+   the job keeps the one whose calls were faster on the slowest rank. The simulator does not see
+   the host's cost of the rule's holds, which on a slow host can outweigh what the overlap gains.
+   From then on every call of that job runs the kept variant.
 
 The simulator's message latency is not measured: it takes the reference level's whose compute
 jitter is nearest the measured one (``sim.variability.VARIABILITY_LEVELS``).
@@ -24,6 +29,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,8 @@ from ..ranks import print_line
 MODELLED_REPLICAS = 4
 """DP replicas the choice simulates, each its own draw (a reduction waits for the slowest):
 the job's DP size up to this (more cost more and change the slowest draw little)."""
+TRIAL_CALLS = 3
+"""Training calls each of the trial's two variants runs (step 3), alternating."""
 
 
 @dataclass(slots=True)
@@ -62,11 +70,35 @@ class Measured:
         return [f0, backward / forward, sigma, per_chunk, self.reduce_s / per_bucket, self.gather_s / per_bucket]
 
 
+@dataclass(slots=True)
+class Trial:
+    """Step 3: the simulator's choice against the fastest variant with no DP point, call by call."""
+
+    rule: EpochVariant
+    fallback: EpochVariant
+    seconds: list = field(default_factory=list)  # this rank's trial calls: rule, fallback, rule, ...
+
+    def next_variant(self) -> EpochVariant:
+        return self.rule if len(self.seconds) % 2 == 0 else self.fallback
+
+
 def phase(state, job_key: tuple) -> str:
-    """"measure" (the job's first training call), "choose" (its second) or "chosen"."""
+    """"measure" (the job's first training call), "choose" (its second), "try", "decide" (the
+    call after the trial) or "chosen"."""
     if job_key in state.epoch_variants:
         return "chosen"
+    trial = state.epoch_trials.get(job_key)
+    if trial is not None:
+        return "decide" if len(trial.seconds) >= 2 * TRIAL_CALLS else "try"
     return "choose" if job_key in state.epoch_measured else "measure"
+
+
+def variant_for(state, job_key: tuple) -> tuple[EpochVariant, Optional[Trial]]:
+    """This call's variant, and the trial that times it (None once the job kept one)."""
+    if job_key in state.epoch_variants:
+        return state.epoch_variants.get(job_key), None
+    trial = state.epoch_trials[job_key]
+    return trial.next_variant(), trial
 
 
 def record(state, job_key: tuple, report, models, *, gather_s: float, reduce_s: float) -> None:
@@ -86,10 +118,11 @@ def record(state, job_key: tuple, report, models, *, gather_s: float, reduce_s: 
 
 
 def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: int, device,
-           data_parallel_size: int) -> EpochVariant:
-    """Every rank at once (module docstring, step 2): the job's variant, kept in ``state``."""
+           data_parallel_size: int) -> None:
+    """Every rank at once (module docstring, step 2): the job's variant kept in ``state``, or its
+    trial against the fastest variant without DP points where the choice keeps one."""
     from ..sim.dp_comm import DPComm
-    from ..sim.dp_epochs import choose_variant
+    from ..sim.dp_epochs import choose_variant, dp_points
     from ..sim.variability import VARIABILITY_LEVELS, Variability
 
     mine = state.epoch_measured[job_key].figures(topology.num_chunks)
@@ -97,7 +130,7 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
     slowest = torch.tensor(mine[3:], dtype=torch.float64, device=device)  # buckets per chunk, comm per bucket
     dist.all_reduce(mean)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    index = torch.zeros(1, dtype=torch.int64, device=device)
+    index = torch.zeros(2, dtype=torch.int64, device=device)  # the choice, and the trial's fallback
     variants = candidate_variants(topology.num_chunks)
     if dist.get_rank() == 0:
         count = mean[3].item()
@@ -108,26 +141,52 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
                                   sigma_msg=level["sigma_msg"])
         comm = DPComm(reduce_per_bucket=reduce, gather_per_bucket=gather, buckets_per_chunk=max(1, round(buckets)))
         began = time.perf_counter()
-        chosen, _ = choose_variant(arbiter_config, topology, num_microbatches, variability, comm,
-                                   dp=min(data_parallel_size, MODELLED_REPLICAS))
-        index[0] = variants.index(chosen)
+        chosen, times = choose_variant(arbiter_config, topology, num_microbatches, variability, comm,
+                                       dp=min(data_parallel_size, MODELLED_REPLICAS))
+        fallback = min((v for v in variants if dp_points(v, topology.num_chunks) == 0), key=times.__getitem__)
+        index[0], index[1] = variants.index(chosen), variants.index(fallback)
+        trying = "" if chosen == fallback else \
+            f"; timed against {fallback} over the next {2 * TRIAL_CALLS} training calls"
         print_line(f"megatron-rrfp: the DP epoch rule runs with {chosen} (simulated on this job's measured "
                    f"compute jitter {sigma:.2f}, B/F {ratio:.2f}, DP reduction {reduce:.2f} f0 and all-gather wait "
-                   f"{gather:.2f} f0 per bucket; {time.perf_counter() - began:.1f} s)")
+                   f"{gather:.2f} f0 per bucket; {time.perf_counter() - began:.1f} s){trying}")
     dist.broadcast(index, src=0)
-    state.epoch_variants[job_key] = variants[int(index.item())]
-    return state.epoch_variants[job_key]
+    chosen, fallback = (variants[i] for i in index.tolist())
+    if chosen == fallback:
+        state.epoch_variants[job_key] = chosen
+    else:
+        state.epoch_trials[job_key] = Trial(chosen, fallback)
 
 
-def timed(device, func):
-    """``func()``'s wall time with the device drained before and after (the measuring call only)."""
+def decide(state, job_key: tuple, device) -> EpochVariant:
+    """Every rank at once, after the trial (module docstring, step 3): the variant whose calls were
+    faster on the slowest rank (the one without DP points where they tie), kept in ``state``."""
+    trial = state.epoch_trials.pop(job_key)
+    seconds = torch.tensor(trial.seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the same figures on every rank: the same decision
+    rule_s, fallback_s = (statistics.fmean(seconds[i::2].tolist()) for i in (0, 1))
+    kept = trial.rule if rule_s < fallback_s else trial.fallback
+    state.epoch_variants[job_key] = kept
+    if dist.get_rank() == 0:
+        print_line(f"megatron-rrfp: the DP epoch rule keeps {kept}: {rule_s:.3f} s per training call with "
+                   f"{trial.rule}, {fallback_s:.3f} s with {trial.fallback} (slowest rank, mean of "
+                   f"{len(trial.seconds) // 2} calls each)")
+    return kept
+
+
+def clock(device) -> float:
+    """The wall clock with the device drained (the measuring and trial calls only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    began = time.perf_counter()
+    return time.perf_counter()
+
+
+def timed(device, func) -> float:
+    """``func()``'s wall time with the device drained before and after."""
+    began = clock(device)
     func()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - began
+    return clock(device) - began
 
 
-__all__ = ["MODELLED_REPLICAS", "Measured", "choose", "phase", "record", "timed"]
+__all__ = ["MODELLED_REPLICAS", "TRIAL_CALLS", "Measured", "Trial", "choose", "clock", "decide", "phase", "record",
+           "timed", "variant_for"]

@@ -25,13 +25,16 @@ class _Forced(dict):
         return True
 
 
-def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), chunks: int = 2) -> list:
+def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), chunks: int = 2,
+                             iterations: int = 2, choice=None) -> list:
+    """``choice``: the variant the simulator's choice returns (patched from outside), else its own."""
     import torch.distributed as dist
 
     from megatron_rrfp.mcore.grad_sync import GradSyncController
     from megatron_rrfp.mcore.state import ScheduleState
     from megatron_rrfp.runtime import executor
     from megatron_rrfp.selfcheck.equivalence import gpt_equivalence
+    from megatron_rrfp.sim import dp_epochs
 
     books: list = []
     original, controlling = executor.PipelineIteration.__init__, GradSyncController.__init__
@@ -64,6 +67,9 @@ def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), c
         if forced is not None:
             state.epoch_variants = _Forced(forced)
 
+    choosing = dp_epochs.choose_variant
+    if choice is not None:
+        dp_epochs.choose_variant = lambda *args, **kwargs: (choice, choosing(*args, **kwargs)[1])
     executor.PipelineIteration.__init__, ScheduleState.__init__ = recording, forcing
     GradSyncController._launch_after_loop = recording_launches
     results = []
@@ -73,8 +79,10 @@ def _epochs_against_megatron(pp: int, hints: tuple, variants: tuple = (None,), c
             if forced is not None:
                 ScheduleState.get().epoch_variants = _Forced(forced)
             results += [gpt_equivalence(ctx, pp=pp, chunks=chunks, overlap=True, dp_overlap="epochs", hint=hint,
-                                        iterations=2, num_microbatches=2 * pp, device="cpu") for hint in hints]
+                                        iterations=iterations, num_microbatches=2 * pp, device="cpu")
+                        for hint in hints]
     finally:
+        dp_epochs.choose_variant = choosing
         executor.PipelineIteration.__init__, ScheduleState.__init__ = original, made
         GradSyncController._launch_after_loop, GradSyncController.__init__ = launching, controlling
     return results + [after_loop, books]
@@ -126,3 +134,27 @@ def test_epoch_rule_variants_with_dp_collectives_out_of_the_loop_equal_megatron(
     # the timelines of those variants ran; with every chunk after the loop no DP point is left, and no book runs
     assert set(ran) == {((0,), False, True), (tuple(every), chunks > 2, False)}, ran
     assert set(after_loop) == {(0,), tuple(every)}, after_loop  # and their reductions went after the loop
+
+
+@pytest.mark.timeout(600)
+def test_a_choice_with_dp_points_is_timed_against_none_and_the_faster_kept():
+    """Where the simulator's choice keeps a DP point (Megatron's order, both chunks reducing in the
+    loop: forced here), the next 2 x TRIAL_CALLS training calls alternate it with the fastest
+    variant without one, then every rank keeps the same one; every call equals Megatron's."""
+    from megatron_rrfp.mcore.epoch_tuning import TRIAL_CALLS
+    from megatron_rrfp.policy.epochs import DEFAULT_VARIANT
+
+    iterations = 2 + 2 * TRIAL_CALLS  # measure; choose and try; decide and keep
+    results = launch(_epochs_against_megatron, world_size=4, tp=1, pp=2, timeout=540,
+                     args=(2, ("default",), (None,), 2, iterations, DEFAULT_VARIANT))
+    kept = set()
+    for *steps, _, books in results:
+        assert [status for status, _ in steps] == ["PASS"], steps
+        assert books[0] is False, books  # the measuring call
+        rule, fallback = books[1], books[2]
+        assert rule == ((), False, True), books  # both chunks reduce in the loop, at DP points
+        assert fallback[2] is False and set(fallback[0]) == {0, 1}, books  # no DP point: no book
+        assert books[1:1 + 2 * TRIAL_CALLS] == [rule, fallback] * TRIAL_CALLS, books
+        assert books[1 + 2 * TRIAL_CALLS] in (rule, fallback), books
+        kept.add(books[1 + 2 * TRIAL_CALLS])
+    assert len(kept) == 1, kept  # every rank kept the same variant
