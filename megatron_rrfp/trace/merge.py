@@ -1,12 +1,12 @@
 """One trace file for every rank of an iteration, on one clock (collective, torch.distributed).
 
 Each rank measures its spans from its own iteration start on its own host clock
-(``IterationReport.started_at`` + span times). ``gather_merged_spans`` estimates every rank's
-clock offset from rank 0 (``clock_offsets``: all ranks read their clock right after a
-barrier, a few times; the median difference to rank 0 is the offset: on one host the clocks
-agree and what remains is the barrier's exit skew, tens of microseconds; across hosts it
-removes the hosts' clock difference to about that precision), moves every span onto rank
-0's clock with t = 0 at the earliest start, and returns them on rank 0 only.
+(``IterationReport.started_at`` + span times). ``gather_merged_spans`` estimates every host's
+clock offset from rank 0's (``clock_offsets``: all ranks read their clock right after a
+barrier, a few times; a host's offset is the median difference to rank 0 over its ranks and
+rounds, to about the barrier's exit skew; rank 0's host reads the same clock, offset 0, where
+an estimate would add only that skew, milliseconds on a loaded host), moves every span onto
+rank 0's clock with t = 0 at the earliest start, and returns them on rank 0 only.
 ``write_merged_trace`` writes them as one Perfetto/Chrome file (pid = rank), with an arrow
 from each send to its receive (``chrome.py``).
 
@@ -15,6 +15,7 @@ initialised process group they act on this process alone.
 """
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from dataclasses import replace
@@ -32,17 +33,21 @@ def _dist():
 
 
 def clock_offsets(rounds: int = CLOCK_ROUNDS, group=None) -> list[float]:
-    """Per rank (by group rank): its clock minus rank 0's, in seconds. Collective."""
+    """Per rank (by group rank): its host's clock minus rank 0's, in seconds. Collective."""
     dist = _dist()
     if dist is None:
         return [0.0]
-    samples = []
+    host = socket.gethostname()
+    differences: dict = {}  # host -> every reading's difference to rank 0's, over its ranks and rounds
     for _ in range(rounds):
         dist.barrier(group=group)
         readings: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(readings, time.time(), group=group)
-        samples.append([r - readings[0] for r in readings])
-    return [statistics.median(column) for column in zip(*samples)]
+        dist.all_gather_object(readings, (host, time.time()), group=group)
+        hosts = [h for h, _ in readings]
+        for h, reading in readings:
+            differences.setdefault(h, []).append(reading - readings[0][1])
+    offsets = {h: 0.0 if h == hosts[0] else statistics.median(d) for h, d in differences.items()}
+    return [offsets[h] for h in hosts]
 
 
 def gather_merged_spans(spans: list[Span], started_at: float, *, label: Optional[str] = None,
