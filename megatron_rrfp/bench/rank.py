@@ -89,7 +89,7 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
             topology, split_backward=arbiter.split_backward_ok).split_backward, "walls": [], "busy": [],
             "spans": [], "breakdowns": [], "tasks": [], "memory": {
                 "peak_activation_bytes": 0, "peak_in_flight": 0, "buffer_limit": None, "activation_measure": "",
-                "byte_weights": (), "dp_epoch_variant": None}}
+                "byte_weights": (), "dp_epoch_variant": None, "dp_epoch_trial": None}}
     for run, iteration in run_order(runs, config.warmup + config.iterations, config.interleave):
         schedule, own = run.schedule, state[run.key]
         arbiter, split_backward, memory = own["arbiter"], own["split_backward"], own["memory"]
@@ -141,6 +141,8 @@ def bench_rank(config, progress_path: Optional[str] = None, table_path: Optional
             memory["byte_weights"] = report.byte_weights  # the last call's: the simulation models it
             chosen = ScheduleState.get().epoch_variants  # the DP epoch rule's, once a call chose it
             memory["dp_epoch_variant"] = str(next(iter(chosen.values()))) if chosen else None
+            trials = ScheduleState.get().epoch_trial_figures  # the measured trial, where the choice had one
+            memory["dp_epoch_trial"] = next(iter(trials.values())) if trials else None
         if comm is not None:
             comm.after_call()  # the step's all-gathers without --overlap-param-gather
         if device.type == "cuda":

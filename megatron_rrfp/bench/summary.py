@@ -122,6 +122,7 @@ def summarize(config, per_rank: list[dict]) -> dict:
         if key in sims_dp:  # the simulator's own DP model, for the emulated DP communication
             runs[-1]["simulated_iteration_time_s_with_dp_comm"] = statistics.median(sims_dp[key])
         runs[-1]["dp_epoch_variant"] = first[key].get("dp_epoch_variant")  # as the run chose it (epoch_tuning)
+        runs[-1]["dp_epoch_trial"] = first[key].get("dp_epoch_trial")  # and what its trial measured
     for run in runs:
         run["gap_explanation"] = explain_gap(run, runs[0])
     if config.optimal:

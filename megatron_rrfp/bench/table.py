@@ -52,10 +52,20 @@ def format_table(report: dict, *, breakdown: bool = False) -> str:
         lines.append("DP communication: " + "; ".join(
             f"{label} sim+dp {r['simulated_iteration_time_s_with_dp_comm']:.3f} s, exposed "
             f"{(r.get('task_breakdown') or {}).get('dp_wait_s', {}).get('median', float('nan')):.3f} s/rank"
-            + (f" (DP epoch rule: {r['dp_epoch_variant']})" if r.get("dp_epoch_variant") else "")
+            + (f" (DP epoch rule: {r['dp_epoch_variant']}{_trial(r.get('dp_epoch_trial'))})"
+               if r.get("dp_epoch_variant") else "")
             for label, r in dp))
     lines.extend(format_breakdown(report, labels, width) if breakdown else summarize_breakdown(report, labels))
     return "\n".join(lines)
+
+
+def _trial(figures) -> str:
+    """The epoch rule's measured trial in a few words (mcore/epoch_tuning.py), or nothing."""
+    if not figures:
+        return ""
+    return (f"; kept after a trial of {figures['calls_each']} calls each: {figures['rule']} "
+            f"{figures['rule_s']:.3f} s, {figures['fallback']} {figures['fallback_s']:.3f} s, "
+            f"standard error {figures['error_s']:.3f} s")
 
 
 def format_optimum_note(runs: list[dict]) -> str:

@@ -15,10 +15,11 @@ start-up. So, per (model chunks, layout, M), as ``auto_limit`` does for the buff
    ``MODELLED_REPLICAS`` replicas, up to ``CHOICE_SEEDS`` seeds within a task budget) and
    broadcasts the choice; rank 0 prints it once;
 3. try: where the choice keeps a DP point, the next ``2 * TRIAL_CALLS`` training calls alternate it
-   with the fastest simulated variant that keeps none (that call is timed, device drained), and
-   the job keeps the one whose calls were faster on the slowest rank. The simulator does not see
-   the host's cost of the rule's holds, which on a slow host can outweigh what the overlap gains.
-   From then on every call of that job runs the kept variant.
+   with the fastest simulated variant that keeps none (each call timed, device drained), and the
+   job keeps the choice only where its calls were faster on the slowest rank by more than the
+   difference's standard error (else the variant without points: its replicas stay independent).
+   The simulator does not see the host's cost of the rule's holds, which on a slow host can
+   outweigh what the overlap gains. From then on every call of that job runs the kept variant.
 
 The simulator's message latency is not measured: it takes the reference level's whose compute
 jitter is nearest the measured one (``sim.variability.VARIABILITY_LEVELS``).
@@ -42,7 +43,8 @@ MODELLED_REPLICAS = 4
 """DP replicas the choice simulates, each its own draw (a reduction waits for the slowest):
 the job's DP size up to this (more cost more and change the slowest draw little)."""
 TRIAL_CALLS = 3
-"""Training calls each of the trial's two variants runs (step 3), alternating."""
+"""Training calls each of the trial's two variants runs (step 3), alternating (at least 2: the
+decision reads their spread)."""
 
 
 @dataclass(slots=True)
@@ -159,18 +161,23 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
 
 
 def decide(state, job_key: tuple, device) -> EpochVariant:
-    """Every rank at once, after the trial (module docstring, step 3): the variant whose calls were
-    faster on the slowest rank (the one without DP points where they tie), kept in ``state``."""
+    """Every rank at once, after the trial (module docstring, step 3): the variant kept, in
+    ``state`` (with the trial's figures in ``state.epoch_trial_figures``)."""
     trial = state.epoch_trials.pop(job_key)
     seconds = torch.tensor(trial.seconds, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the same figures on every rank: the same decision
-    rule_s, fallback_s = (statistics.fmean(seconds[i::2].tolist()) for i in (0, 1))
-    kept = trial.rule if rule_s < fallback_s else trial.fallback
+    rule, fallback = seconds[0::2].tolist(), seconds[1::2].tolist()
+    rule_s, fallback_s = statistics.fmean(rule), statistics.fmean(fallback)
+    error_s = math.sqrt((statistics.variance(rule) + statistics.variance(fallback)) / len(rule))
+    kept = trial.rule if fallback_s - rule_s > error_s else trial.fallback
     state.epoch_variants[job_key] = kept
+    state.epoch_trial_figures[job_key] = {"kept": str(kept), "rule": str(trial.rule), "rule_s": rule_s,
+                                          "fallback": str(trial.fallback), "fallback_s": fallback_s,
+                                          "error_s": error_s, "calls_each": len(rule)}
     if dist.get_rank() == 0:
         print_line(f"megatron-rrfp: the DP epoch rule keeps {kept}: {rule_s:.3f} s per training call with "
                    f"{trial.rule}, {fallback_s:.3f} s with {trial.fallback} (slowest rank, mean of "
-                   f"{len(trial.seconds) // 2} calls each)")
+                   f"{len(rule)} calls each, standard error of the difference {error_s:.3f} s)")
     return kept
 
 

@@ -59,6 +59,7 @@ class ScheduleState:
         self.epoch_variants: dict[tuple, Any] = {}  # the DP epoch rule's variant, by epoch_variant_key
         self.epoch_measured: dict[tuple, Any] = {}  # epoch_tuning's measuring call's figures, by the same key
         self.epoch_trials: dict[tuple, Any] = {}  # epoch_tuning's trial of its choice against no DP point
+        self.epoch_trial_figures: dict[tuple, dict] = {}  # what each finished trial measured and kept
         self.last_report: Any = None  # the last completed call's IterationReport
         self.dp_modes_said: set[int] = set()  # models whose DP-communication mode rank 0 has named
         self.ranks_on_host: Optional[int] = None  # ranks of the world on this host (a collective, asked once)
