@@ -160,6 +160,14 @@ def choose(state, job_key: tuple, arbiter_config, topology, num_microbatches: in
         state.epoch_trials[job_key] = Trial(chosen, fallback)
 
 
+def rule_measured_faster(rule: list, fallback: list) -> tuple[bool, float, float, float]:
+    """(whether the calls in ``rule`` were faster than those in ``fallback`` by more than the
+    standard error of the difference of their means, both means, that error), in seconds."""
+    rule_s, fallback_s = statistics.fmean(rule), statistics.fmean(fallback)
+    error_s = math.sqrt(statistics.variance(rule) / len(rule) + statistics.variance(fallback) / len(fallback))
+    return fallback_s - rule_s > error_s, rule_s, fallback_s, error_s
+
+
 def decide(state, job_key: tuple, device) -> EpochVariant:
     """Every rank at once, after the trial (module docstring, step 3): the variant kept, in
     ``state`` (with the trial's figures in ``state.epoch_trial_figures``)."""
@@ -167,9 +175,8 @@ def decide(state, job_key: tuple, device) -> EpochVariant:
     seconds = torch.tensor(trial.seconds, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the same figures on every rank: the same decision
     rule, fallback = seconds[0::2].tolist(), seconds[1::2].tolist()
-    rule_s, fallback_s = statistics.fmean(rule), statistics.fmean(fallback)
-    error_s = math.sqrt((statistics.variance(rule) + statistics.variance(fallback)) / len(rule))
-    kept = trial.rule if fallback_s - rule_s > error_s else trial.fallback
+    faster, rule_s, fallback_s, error_s = rule_measured_faster(rule, fallback)
+    kept = trial.rule if faster else trial.fallback
     state.epoch_variants[job_key] = kept
     state.epoch_trial_figures[job_key] = {"kept": str(kept), "rule": str(trial.rule), "rule_s": rule_s,
                                           "fallback": str(trial.fallback), "fallback_s": fallback_s,
@@ -196,4 +203,4 @@ def timed(device, func) -> float:
 
 
 __all__ = ["MODELLED_REPLICAS", "TRIAL_CALLS", "Measured", "Trial", "choose", "clock", "decide", "phase", "record",
-           "timed", "variant_for"]
+           "rule_measured_faster", "timed", "variant_for"]

@@ -145,3 +145,15 @@ def test_long_interleaved_jobs_complete_under_every_variant(pp, chunks, m, seeds
             realization = sample_realization(Variability(**VARIABILITY_LEVELS["j3"]), topology, m, seed)
             run = run_with_epochs(config, topology, m, realization, timeline)  # raises DeadlockError on a stall
             assert sorted(map(len, run.orders)) == [3 * chunks * m] * pp
+
+
+def test_the_trial_keeps_the_rule_only_where_it_measured_faster_beyond_the_noise():
+    """mcore/epoch_tuning.py, step 3: seconds per training call, the rule's and the variant's without DP points."""
+    from megatron_rrfp.mcore.epoch_tuning import rule_measured_faster
+
+    assert rule_measured_faster([2.0, 2.1, 2.05], [2.6, 2.5, 2.55])[0]  # 20% faster, tight: kept
+    assert not rule_measured_faster([2.5, 2.6, 2.55], [2.5, 2.6, 2.55])[0]  # a tie: the variant without points
+    assert not rule_measured_faster([2.9, 2.5, 2.7], [2.4, 3.1, 2.9])[0]  # 3% faster in noise of ~10%
+    assert not rule_measured_faster([2.6, 2.7, 2.65], [2.0, 2.1, 2.05])[0]  # slower
+    faster, rule_s, fallback_s, error_s = rule_measured_faster([1.0, 1.0], [2.0, 2.0])
+    assert faster and (rule_s, fallback_s, error_s) == (1.0, 2.0, 0.0)
