@@ -179,6 +179,11 @@ class Arbiter:
         chosen, self._partner = self._partner, None
         return chosen[1] if chosen is not None and chosen[0] == task else None
 
+    def runs_alone_unpaired(self, task: Task) -> bool:
+        """``task``, which ``choose`` just returned, is a backward it found no forward to pair with
+        while forwards remain: a ready set with later arrivals might pair it."""
+        return self._pairs_on and task.kind is Kind.B and self._partner is None and self.forwards_left > 0
+
     def record_pair(self, first: Task, partner: Task) -> None:
         """The driver dispatched ``first`` and ``partner`` together: recorded as the backward,
         then the forward (the forward was admitted on the state after the backward's release)."""

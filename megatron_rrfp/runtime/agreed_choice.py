@@ -34,7 +34,8 @@ class AgreedChoice:
             if task is not None:
                 return task
         while True:
-            if self.agreement.outstanding:  # posted when the last task was dispatched
+            posted = self.agreement.outstanding  # posted when the last task was dispatched
+            if posted:
                 seen = self._posted_view
                 agreed = self._collect()
             else:
@@ -46,12 +47,30 @@ class AgreedChoice:
             self._absorb()
             if self.arbiter.done and self.transport.idle():
                 return None
-            task = self._choose_or_follow(agreed.common, agreed.state[words:])
+            task = None if self.arbiter.done else self._choose(agreed.common)
+            if task is not None and posted and self.arbiter.runs_alone_unpaired(task):
+                task = self._fresh_choice(task, agreed.common)
+            if task is None:
+                task = self._choose_or_follow(agreed.common, agreed.state[words:])
             if task is not None:
                 return task
             if agreed.lagging or agreed.unanimous:
                 self._wait_for_change(seen)  # something is on its way to us (or to everyone)
             # else: we hold everything anyone holds; block in the next exchange instead
+
+    def _fresh_choice(self, task: Task, posted_common: frozenset) -> Task:
+        """The choice from an exchange run now, where ``task`` (chosen from the offers posted when
+        the last task was dispatched) is a backward that would run unpaired: the forward to pair it
+        with may have arrived while the last task ran, and the simulator's arbiter sees it. Every
+        rank gets here together (the condition reads agreed values only)."""
+        _, agreed = self._exchange_now()
+        self.transport.advance(agreed.state[:self.transport.state_words])
+        self._absorb()
+        fresh = self._choose(agreed.common)
+        if fresh is None:  # a rank without room offered nothing: the first choice, its pairing state restored
+            self._choose(posted_common)
+            return task
+        return fresh
 
     def _choose_or_follow(self, common: frozenset, positions: tuple[int, ...]) -> Optional[Task]:
         """The agreed choice from ``common``. If there is none, a bubble: if only one link can
