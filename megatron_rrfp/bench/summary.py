@@ -178,11 +178,13 @@ def _with_dp_comm(config, arbiter_config, topology, replicas, *, rrfp: bool, var
                   buckets_per_chunk=1)
     deferred = frozenset()
     if mode == EPOCHS:
-        key = (arbiter_config, topology, m)
-        if key not in _CHOSEN:
-            _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm,
-                                          dp=min(config.data_parallel, MODELLED_REPLICAS))[0]
-        variant = next((v for v in candidate_variants(topology.num_chunks) if str(v) == kept), _CHOSEN[key])
+        variant = next((v for v in candidate_variants(topology.num_chunks) if str(v) == kept), None)
+        if variant is None:  # the simulator's choice, made once per layout (it runs every variant)
+            key = (arbiter_config, topology, m)
+            if key not in _CHOSEN:
+                _CHOSEN[key] = choose_variant(arbiter_config, topology, m, variability, comm,
+                                              dp=min(config.data_parallel, MODELLED_REPLICAS))[0]
+            variant = _CHOSEN[key]
         timeline = timeline_for(arbiter_config, topology, m, Plan.build(arbiter_config, topology, m).split_backward,
                                 variant)
         traces = [run_with_epochs(arbiter_config, topology, m, r, timeline).trace for r in replicas]

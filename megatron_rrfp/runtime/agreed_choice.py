@@ -51,7 +51,7 @@ class AgreedChoice:
             if task is not None and posted and self.arbiter.runs_alone_unpaired(task):
                 task = self._fresh_choice(task, agreed.common)
             if task is None:
-                task = self._choose_or_follow(agreed.common, agreed.state[words:])
+                task = self._follow(agreed.common, agreed.state[words:])
             if task is not None:
                 return task
             if agreed.lagging or agreed.unanimous:
@@ -73,17 +73,19 @@ class AgreedChoice:
         return fresh
 
     def _choose_or_follow(self, common: frozenset, positions: tuple[int, ...]) -> Optional[Task]:
-        """The agreed choice from ``common``. If there is none, a bubble: if only one link can
-        still deliver, follow it — every TP rank receives its messages in the same order (a
-        FIFO from a peer that runs the same tasks), so "what becomes choosable first" is the
-        same everywhere; else group rank 0 decides from what it holds once something is
-        choosable and announces it (a message it holds reaches every rank: the senders run
-        the same tasks). No exchange either way. None: exchange again."""
-        if self.arbiter.done:
-            return None
-        task = self._choose(common)
-        if task is not None or self.transport.state_words:
-            return task  # the device transport's readiness comes from agreed counters only
+        """The agreed choice from ``common``, else ``_follow``'s. None: exchange again."""
+        task = None if self.arbiter.done else self._choose(common)
+        return task if task is not None else self._follow(common, positions)
+
+    def _follow(self, common: frozenset, positions: tuple[int, ...]) -> Optional[Task]:
+        """A bubble: nothing in the agreed ``common`` is choosable. If only one link can still
+        deliver, follow it — every TP rank receives its messages in the same order (a FIFO from
+        a peer that runs the same tasks), so "what becomes choosable first" is the same
+        everywhere; else group rank 0 decides from what it holds once something is choosable
+        and announces it (a message it holds reaches every rank: the senders run the same
+        tasks). No exchange either way. None: exchange again."""
+        if self.arbiter.done or self.transport.state_words:
+            return None  # the device transport's readiness comes from agreed counters only
         pending = [(src, at) for src, at in zip(self._links, positions) if at < self._expected[src]]
         if not pending:
             return None
