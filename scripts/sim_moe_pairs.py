@@ -1,8 +1,10 @@
 """Simulated worth of pairing a ready forward with a ready backward (``--overlap-moe-expert-parallel-comm``
 under rrfp) on MoE pipelines: rrfp paired vs rrfp unpaired vs Megatron's combined 1F1B (interleaved, its own
-warm-up) vs Megatron's 1F1B / interleaved, each with its peak activation memory. "rrfp unpaired" is the
-default policy as it runs without the flag (its backward split into B and W where the model allows);
-"no split" is the same policy with the whole backward, as under the flag.
+warm-up) vs Megatron's 1F1B / interleaved, each with its peak activation memory. "rrfp paired" is the
+default policy under the flag: pairs, and the backward split into B and W where the model allows (a pair
+keeps the split where its forward is admitted without the backward's release); "rrfp unpaired" the
+default without the flag; "no split" either one with whole backwards (Transformer Engine's layers built
+with ``--delay-wgrad-compute``).
 
     python scripts/sim_moe_pairs.py                      # the table in docs/moe.md
     python scripts/sim_moe_pairs.py --a2a-shares 0,0.1,0.2,0.3 --ep 2 --pp 4 --chunks 2
@@ -11,7 +13,8 @@ Variability j3 (the paper's reference), 16 experts, top-2, Zipf skew 1.0, concen
 share 0.5, M = 4 x PP. Time unit f0 (one stage's forward compute). All-to-all time per task = ``a2a`` x
 load factor, chosen so that it is the given share of a forward + backward at balanced load
 (``--a2a-shares``); a pair takes
-max(compute F + B, all-to-all F + B) (``Realization.pair_duration``). Memory: peak (microbatch, chunk)
+max(compute F + B, all-to-all F + B), B without its W where the pair keeps the split
+(``Realization.pair_duration``). Memory: peak (microbatch, chunk)
 forwards in flight on the fullest stage (one forward's activations = 1), max over seeds.
 """
 from __future__ import annotations
@@ -41,10 +44,10 @@ def row(pp: int, chunks: int, ep: int, share: float, seeds: int) -> dict:
         "megatron": policy(BASELINE),
         "rrfp unpaired": ArbiterConfig(hint="default", buffer_limit="1x"),
         "rrfp unpaired, no split": ArbiterConfig(hint="default", buffer_limit="1x", split_backward_ok=False),
-        "rrfp paired": ArbiterConfig(hint="default", buffer_limit="1x", pair_forward_backward=True,
-                                        split_backward_ok=False),
-        "rrfp paired, 1 forward more": ArbiterConfig(hint="default", buffer_limit=extra, pair_forward_backward=True,
-                                        split_backward_ok=False),
+        "rrfp paired": ArbiterConfig(hint="default", buffer_limit="1x", pair_forward_backward=True),
+        "rrfp paired, no split": ArbiterConfig(hint="default", buffer_limit="1x", pair_forward_backward=True,
+                                               split_backward_ok=False),
+        "rrfp paired, 1 forward more": ArbiterConfig(hint="default", buffer_limit=extra, pair_forward_backward=True),
     }
     spans = {name: [] for name in configs}
     peaks = {name: 0 for name in configs}
@@ -72,7 +75,7 @@ def main() -> None:
     parser.add_argument("--a2a-shares", default="0.3")
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
-    names = ["rrfp paired", "megatron combined", "rrfp unpaired", "rrfp unpaired, no split",
+    names = ["rrfp paired", "megatron combined", "rrfp unpaired", "rrfp paired, no split", "rrfp unpaired, no split",
              "rrfp paired, 1 forward more"]
     print("| EP | PP | chunks | a2a share | Megatron 1F1B / interleaved makespan (peak) | " + " | ".join(names) + " |")
     print("|" + "---|" * (5 + len(names)))

@@ -15,7 +15,8 @@ Hooks sit where *both* Megatron-core's own schedules and RRFP pass (``around_sch
 * a combined step holding a forward and a backward (``--overlap-moe-expert-parallel-comm``:
   Megatron's combined 1F1B and RRFP's pairs alike) takes what the simulator gives a pair
   (``Realization.pair_duration``): max(compute F + compute B, all-to-all F + all-to-all B), the
-  all-to-alls being the draw's and those ``--a2a-ms`` emulates inside the step;
+  all-to-alls being the draw's and those ``--a2a-ms`` emulates inside the step (B without its W
+  where the pair's backward defers it);
 * message latency — a message becomes usable at (its send time + modeled latency):
   Megatron's receives wait inside ``P2PCommunicator._communicate``; RRFP's inbox is handed the
   message then (``RRFPConfig.deliver_message``: ``around_schedules.HeldMessages``). Send times go
@@ -218,8 +219,9 @@ class DeviceTimeEmulator:
         if self.realization is None:
             return 0.0, 0.0, 0.5
         r = self.realization
-        f, b = r.duration(self.stage, forward, False), r.duration(self.stage, backward, False)
-        compute, comm = r.pair_parts(self.stage, forward, backward)  # the simulator's own split
+        split = self.split_backward and self._deferred(backward)  # inside the step's deferral, as a lone B
+        f, b = r.duration(self.stage, forward, False), r.duration(self.stage, backward, split)
+        compute, comm = r.pair_parts(self.stage, forward, backward, split)  # the simulator's own split
         return compute, comm, f / (f + b) if f + b > 0 else 0.5
 
     def _device_seconds(self, seconds: float) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 __all__ = ["check_paired", "paired_arbiter", "simulate_schedule"]
 
 _SPLIT = ("rrfp-bfw", "rrfp-zbh1", "rrfp-zbh1-strict")
-"""Schedules whose backward is split into B and W: megatron-core's combined step runs it whole."""
+"""Schedules that place W tasks by their own order, which is not built for pairs."""
 
 
 def check_paired(config) -> None:
@@ -34,9 +34,9 @@ def check_paired(config) -> None:
                          "combined 1F1B (the megatron-1f1b baseline) exists only for its interleaved schedule")
     split = [s for s in config.schedules if s in _SPLIT]
     if split:
-        raise ValueError(f"--overlap-moe-expert-parallel-comm: --schedules {','.join(split)} split the backward into "
-                         "B and W, while megatron-core's combined step runs it whole; use megatron-1f1b, rrfp-strict, "
-                         "rrfp-default, rrfp-bf")
+        raise ValueError(f"--overlap-moe-expert-parallel-comm: --schedules {','.join(split)} place W tasks by their "
+                         "own order, which is not built for pairs; use megatron-1f1b, rrfp-strict, rrfp-default (it "
+                         "pairs, and splits the backward where it can), rrfp-bf")
     if config.optimal or config.dp_reduce_ms or config.dp_gather_ms:
         raise ValueError("--overlap-moe-expert-parallel-comm: --optimal, --dp-reduce-ms and --dp-gather-ms do not "
                          "model combined steps yet; drop them")
@@ -51,10 +51,10 @@ def check_paired(config) -> None:
 
 def paired_arbiter(config, arbiter):
     """The arbiter RRFP's runtime runs under the flag (``mcore.stage_work.with_combined_steps``):
-    pairs allowed, the backward never split; unchanged without it."""
+    pairs allowed, the backward split where the model allows; unchanged without it."""
     if not config.overlap_moe_expert_parallel_comm:
         return arbiter
-    return dataclasses.replace(arbiter, pair_forward_backward=True, split_backward_ok=False)
+    return dataclasses.replace(arbiter, pair_forward_backward=True)
 
 
 def simulate_schedule(config, schedule: str, arbiter, topology, realization) -> float:

@@ -11,6 +11,7 @@ layer, each one's all-to-alls on the communication stream beside the other's com
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -124,7 +125,7 @@ class MegatronStageWork:
             return
         inputs, output = self.saved.pop((task.microbatch, task.chunk))
         if self.wgrad_store is not None:  # B of a split backward: input gradients only
-            with self.wgrad_store.deferring((task.microbatch, task.chunk), inline=not self.defers_weight(task)):
+            with self._split_backward_half(task):
                 input_grad = compat.backward_step(inputs, output, [output_grad], self.model_type, self.config)
             if send is not None:
                 send(input_grad[0])
@@ -140,7 +141,9 @@ class MegatronStageWork:
         """One combined-1F1B step: ``forward`` = (F task, input, send) and ``backward`` = (B task,
         output gradient, send), either None for a half alone. megatron-core's own
         ``combined_forward_backward_step`` runs it; around it only what Megatron's interleaved
-        combined path does around its call (grad-sync points, the sends, the output's deallocation)."""
+        combined path does around its call (grad-sync points, the sends, the output's deallocation).
+        With the B/W split the backward half defers its weight gradients as a lone B does (the
+        arbiter's ``defers_weight``; inside the step only the backward calls a linear's backward)."""
         f_model = b_model = f_chunk = None
         inputs, store, num_microbatch, first = [None], [], None, False
         b_inputs, b_output, b_grad = None, None, None
@@ -157,14 +160,16 @@ class MegatronStageWork:
             b_task, output_grad, _ = backward
             b_inputs, b_output = self.saved.pop((b_task.microbatch, b_task.chunk))
             b_model, b_grad = self.models[b_task.chunk], [output_grad]
-            self.grad_sync.before_backward(b_task.chunk)  # the chunk's last backward may reduce
-        output, num_tokens, input_grad = compat.combined_forward_backward_step(
-            self.forward_step_func, None if forward is None else self.feeds[f_chunk].view(num_microbatch),
-            f_model, self.num_microbatches, inputs, store, b_model, b_inputs, b_output, b_grad, self.config,
-            f_model_chunk_id=f_chunk if self.topology.interleaved else None,
-            collect_non_loss_data=self.collect_non_loss_data, checkpoint_activations_microbatch=None,
-            is_first_microbatch=compat.first_val_step(self.first_val_step, self.forward_only, first),
-            current_microbatch=num_microbatch)
+            if self.wgrad_store is None:
+                self.grad_sync.before_backward(b_task.chunk)  # the chunk's last backward may reduce
+        with self._split_backward_half(None if backward is None else backward[0]):
+            output, num_tokens, input_grad = compat.combined_forward_backward_step(
+                self.forward_step_func, None if forward is None else self.feeds[f_chunk].view(num_microbatch),
+                f_model, self.num_microbatches, inputs, store, b_model, b_inputs, b_output, b_grad, self.config,
+                f_model_chunk_id=f_chunk if self.topology.interleaved else None,
+                collect_non_loss_data=self.collect_non_loss_data, checkpoint_activations_microbatch=None,
+                is_first_microbatch=compat.first_val_step(self.first_val_step, self.forward_only, first),
+                current_microbatch=num_microbatch)
         if forward is not None:
             f_task, _, send = forward
             if store:
@@ -178,7 +183,16 @@ class MegatronStageWork:
             b_task, _, send = backward
             if send is not None:
                 send(input_grad[0])
-            self.grad_sync.after_backward(b_task.chunk)
+            if self.wgrad_store is None:
+                self.grad_sync.after_backward(b_task.chunk)
+            else:
+                self.split_readiness.after_backward(b_task.chunk)
+
+    def _split_backward_half(self, b_task: Optional[Task]):
+        """The deferral of ``b_task``'s weight gradients under the B/W split (none without it)."""
+        if b_task is None or self.wgrad_store is None:
+            return contextlib.nullcontext()
+        return self.wgrad_store.deferring((b_task.microbatch, b_task.chunk), inline=not self.defers_weight(b_task))
 
     def weight(self, task: Task) -> None:
         """W of a split backward: the deferred weight gradients of one microbatch; the
@@ -194,9 +208,10 @@ class MegatronStageWork:
 def with_combined_steps(options, config, models, forward_step_func, *, forward_only: bool):
     """``options`` (an RRFPConfig) for megatron-core's combined-1F1B steps: with
     ``overlap_moe_expert_parallel_comm`` the arbiter pairs a ready F with a ready B
-    (``ArbiterConfig.pair_forward_backward``) and the backward is never split into B and W (the
-    schedule plan runs each layer's backward, and with ``delay_wgrad_compute`` its weight
-    gradients, inside the step). Raises a one-line ValueError where the steps cannot run here."""
+    (``ArbiterConfig.pair_forward_backward``). The default hint still splits the backward where
+    ``with_split_capability`` finds the models' weight gradients deferrable (not where
+    ``delay_wgrad_compute`` built Transformer Engine's layers for megatron-core's own deferral).
+    Raises a one-line ValueError where the steps cannot run here."""
     if not getattr(config, "overlap_moe_expert_parallel_comm", False) or forward_only:
         return options
     blocker = compat.combined_steps_blocker(config, models, forward_step_func)
@@ -206,12 +221,11 @@ def with_combined_steps(options, config, models, forward_step_func, *, forward_o
     hint = arbiter.parsed_hint
     if hint.name != "default" and hint.split_backward:
         raise ValueError(f"megatron_rrfp: --overlap-moe-expert-parallel-comm under rrfp: hint {hint.name!r} "
-                         "(--rrfp-hint) splits the backward into B and W, while megatron-core's combined step runs "
-                         "each layer's whole backward; use --rrfp-hint default, bf or 1f1b")
-    if arbiter.pair_forward_backward and not arbiter.split_backward_ok:
+                         "(--rrfp-hint) places W tasks by its own order, which is not built for pairs; use --rrfp-hint "
+                         "default (it pairs, and splits the backward where it can), bf or 1f1b")
+    if arbiter.pair_forward_backward:
         return options
-    return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, pair_forward_backward=True,
-                                                                    split_backward_ok=False))
+    return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, pair_forward_backward=True))
 
 
 def weight_grad_store(models, memory=None, *, hint: str = ""):

@@ -139,17 +139,17 @@ REFUSED_FLAGS = {
 
 def check_combined_steps(config: RRFPConfig, args, *, megatron_lm: bool = True) -> None:
     """--overlap-moe-expert-parallel-comm under rrfp: megatron-core's combined step for every F and B,
-    a ready forward paired with a ready backward. Refused, in one line, where it cannot run: a hint that
-    splits the backward; --delay-wgrad-compute on a megatron-core whose own (non-TE) linears lack
+    a ready forward paired with a ready backward. Refused, in one line, where it cannot run: a named hint
+    that places W tasks itself (bfw, zbh1); --delay-wgrad-compute on a megatron-core whose own (non-TE) linears lack
     backward_dw; under Megatron-LM a pipeline without virtual stages (megatron-core's TransformerConfig,
     which Megatron-LM builds from the flags, asserts them with this flag at PP > 1)."""
     if not getattr(args, "overlap_moe_expert_parallel_comm", False):
         return
     hint = config.arbiter.parsed_hint
     if hint.name != "default" and hint.split_backward:
-        raise ValueError(f"--rrfp-hint {hint.name} splits the backward into B and W, while megatron-core's combined "
-                         "step runs each layer's whole backward (--overlap-moe-expert-parallel-comm): use "
-                         "--rrfp-hint default, bf or 1f1b")
+        raise ValueError(f"--rrfp-hint {hint.name} places W tasks by its own order, which is not built for the pairs "
+                         "of --overlap-moe-expert-parallel-comm: use --rrfp-hint default (it pairs, and splits the "
+                         "backward where it can), bf or 1f1b")
     pp = getattr(args, "pipeline_model_parallel_size", None)
     virtual = any(getattr(args, name, None) is not None for name in (
         "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",

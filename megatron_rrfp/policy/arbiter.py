@@ -60,7 +60,9 @@ class ArbiterConfig:
     combined forward-backward step: each one's MoE all-to-alls overlap the other's compute). When the
     hint picks a backward, its partner is the best ready forward the memory rule admits beside it
     (``Arbiter.take_partner``); a forward picked first runs alone (pairing it delayed the pipeline's
-    backward chain in simulation: docs/moe.md). Never with a split backward (W) or in strict mode."""
+    backward chain in simulation: docs/moe.md). Never in strict mode. With a split backward a
+    pair keeps the split where a forward is admitted without the backward's release, else its
+    backward runs whole (the release admits the forward); a backward alone splits as usual."""
 
     def __post_init__(self) -> None:
         try:
@@ -147,8 +149,7 @@ class Arbiter:
         self._held_bytes = [0.0] * num_microbatches
         self._inline: set[tuple[int, int]] = set()  # B that ran unsplit: their W release nothing
         self.pairs: list[tuple[Task, Task]] = []  # (F, B) dispatched together, in dispatch order
-        self._pairs_on = (config.pair_forward_backward and not config.strict and not forward_only
-                          and not self.split_backward)
+        self._pairs_on = config.pair_forward_backward and not config.strict and not forward_only
         self._partner: Optional[tuple[Task, Task]] = None  # (task choose() returned, its partner)
         self._ready_seen: set[Task] = set()  # the ready set choose() was last given (a partner comes from it)
 
@@ -188,6 +189,8 @@ class Arbiter:
         """The driver dispatched ``first`` and ``partner`` together: recorded as the backward,
         then the forward (the forward was admitted on the state after the backward's release)."""
         forward, backward = (first, partner) if first.kind is Kind.F else (partner, first)
+        if self.split_backward and not self._admitted_beside_split(forward):  # the release admitted it
+            self._inline.add((backward.microbatch, backward.chunk))
         self.record(backward)
         self.record(forward)
         self.pairs.append((forward, backward))
@@ -198,9 +201,13 @@ class Arbiter:
         otherwise. It is admitted by the memory rule on the state after the backward's release, as if
         the backward ran first: the pair's layers free the backward's activations while the forward's
         build up (megatron-core's combined step), so inside the pair at most one forward more than the
-        limit is held, as in Megatron's combined 1F1B."""
-        frontier = self._frontier_after_backward(backward)
-        candidates = {t for t in self._ready_seen if t.kind is Kind.F and t.microbatch <= frontier}
+        limit is held, as in Megatron's combined 1F1B. With a split backward a forward admitted
+        beside the split (no release) comes first: the pair then defers its W like a lone B."""
+        forwards = {t for t in self._ready_seen if t.kind is Kind.F}
+        candidates = {t for t in forwards if self._admitted_beside_split(t)}
+        if not candidates:
+            frontier = self._frontier_after_backward(backward)
+            candidates = {t for t in forwards if t.microbatch <= frontier}
         if not candidates:
             return None
         if self._order is not None:
@@ -234,8 +241,7 @@ class Arbiter:
                 self._add_bytes(mb, weights.forward)
         elif task.kind is Kind.B:
             self.prefer = Kind.F
-            if self.split_backward and (self._bytes is None
-                                        or self.level + weights.split_peak <= self._bytes.split * _TOLERANCE):
+            if self.split_backward and (mb, task.chunk) not in self._inline and self._split_fits():
                 self._add_bytes(mb, weights.pending - weights.forward)
             else:  # unsplit: frees what its forward held (split: W would, but its split does not fit)
                 if self.split_backward:
@@ -267,7 +273,7 @@ class Arbiter:
 
     @property
     def unsplit_backwards(self) -> int:
-        """B run unsplit because their stash did not fit the byte budget."""
+        """B run unsplit: their stash did not fit the byte budget, or a pair's forward needed their release."""
         return len(self._inline)
 
     @property
@@ -394,6 +400,14 @@ class Arbiter:
         if frontier >= self.num_microbatches - 1:  # every forward admitted
             return ready
         return {t for t in ready if t.kind is not Kind.F or t.microbatch <= frontier}
+
+    def _split_fits(self) -> bool:
+        """A B split now keeps its stash within the byte budget (always, without bytes)."""
+        return self._bytes is None or self.level + self._bytes.stage.split_peak <= self._bytes.split * _TOLERANCE
+
+    def _admitted_beside_split(self, forward: Task) -> bool:
+        """``forward`` may run beside a backward that splits, whose release comes only with its W."""
+        return self.split_backward and self._split_fits() and forward.microbatch <= self.admission_frontier()
 
     def _frontier_after_backward(self, backward: Task) -> int:
         """``admission_frontier`` as it would be once the unsplit ``backward`` ran (state restored)."""

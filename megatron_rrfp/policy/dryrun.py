@@ -27,13 +27,8 @@ Duration = Callable[[int, Task], float]
 """(stage, task) -> how long the task runs."""
 Latency = Callable[[int, Task], float]
 """(stage, producing task) -> how long its message travels (F: activation, B: gradient)."""
-PairDuration = Callable[[int, Task, Task], float]
-"""(stage, forward, backward) -> how long the two run as one combined task."""
-
-
-def serial_pair(duration: Duration) -> PairDuration:
-    """A pair that overlaps nothing: the two halves one after the other."""
-    return lambda stage, forward, backward: duration(stage, forward) + duration(stage, backward)
+PairDuration = Callable[[int, Task, Task, bool], float]
+"""(stage, forward, backward, whether the backward defers its W) -> how long the two run as one combined task."""
 
 
 class DeadlockError(RuntimeError):
@@ -160,8 +155,9 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
         name: str = "", record_trace: bool = False, pair_duration: Optional[PairDuration] = None) -> DryRun:
     """Run one iteration; raises ``DeadlockError`` if the arbiters stall with work left and
     ValueError for a duration or latency that is negative, NaN or infinite. A pair the arbiter
-    dispatches (``Arbiter.take_partner``) runs ``pair_duration`` (default: its halves in series)
-    and both its messages leave when it ends, as from megatron-core's combined step."""
+    dispatches (``Arbiter.take_partner``) runs ``pair_duration`` (default: its halves in series,
+    the backward with its W unless it defers it) and both its messages leave when it ends, as from
+    megatron-core's combined step."""
     pipe = _Pipeline(arbiters, topology, latency)
     pp = topology.num_stages
     busy_until: list[Optional[float]] = [None] * pp
@@ -187,8 +183,10 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
                     else:
                         arbiter.record_pair(task, partner)
                         forward, backward = arbiter.pairs[-1]
-                        length = _checked_time((pair_duration or serial_pair(duration))(stage, forward, backward),
-                                               "pair duration", stage, task)
+                        length = (_checked_time(duration(stage, forward), "duration", stage, forward)
+                                  + _task_time(arbiter, duration, stage, backward)) if pair_duration is None else \
+                            _checked_time(pair_duration(stage, forward, backward, arbiter.defers_weight(backward)),
+                                          "pair duration", stage, task)
                     busy_until[stage] = now + length
                     busy[stage] += length
                     for member in group:
@@ -217,4 +215,4 @@ def run(arbiters: Sequence[Arbiter], topology: Topology, *, duration: Duration, 
                   pairs=[list(a.pairs) for a in pipe.arbiters])
 
 
-__all__ = ["DeadlockError", "DryRun", "PairDuration", "constant_durations", "no_latency", "run", "serial_pair"]
+__all__ = ["DeadlockError", "DryRun", "PairDuration", "constant_durations", "no_latency", "run"]

@@ -159,17 +159,19 @@ class Realization:
         comm = self.backward_comm[stage][task.chunk][task.microbatch] if self.backward_comm else 0.0
         return (full - comm) / 2 + (comm if task.kind is Kind.B else 0.0) + extra
 
-    def pair_duration(self, stage: int, forward: Task, backward: Task) -> float:
+    def pair_duration(self, stage: int, forward: Task, backward: Task, split_backward: bool = False) -> float:
         """A ready F and B run together (megatron-core's combined step, two streams): each
         half's all-to-all hides behind the other's compute, so the pair takes the longer of the
         two resources, max(compute F + compute B, all-to-all F + all-to-all B). Optimistic: the
         layer-by-layer dependencies inside the step (an all-to-all waits for its own layer's
-        compute) are not modelled. Without MoE communication it is the two in series."""
-        return max(self.pair_parts(stage, forward, backward))
+        compute) are not modelled. Without MoE communication it is the two in series.
+        ``split_backward``: the backward defers its W (the pair holds its B only)."""
+        return max(self.pair_parts(stage, forward, backward, split_backward))
 
-    def pair_parts(self, stage: int, forward: Task, backward: Task) -> tuple[float, float]:
+    def pair_parts(self, stage: int, forward: Task, backward: Task,
+                   split_backward: bool = False) -> tuple[float, float]:
         """(compute of both halves, the all-to-all time inside them) of a combined step."""
-        alone = self.duration(stage, forward, False) + self.duration(stage, backward, False)
+        alone = self.duration(stage, forward, False) + self.duration(stage, backward, split_backward)
         comm = (self.backward_comm[stage][forward.chunk][forward.microbatch]
                 + self.backward_comm[stage][backward.chunk][backward.microbatch]) if self.backward_comm else 0.0
         return alone - comm, comm

@@ -4,7 +4,8 @@ aux loss) at EP2 x PP2 on 4 gloo ranks, each replica on its own data, random tas
 Every F and B runs megatron-core's combined-1F1B step; pairs run one forward with another
 microbatch's backward in one step. Losses and every gradient must equal Megatron's combined-1F1B
 interleaved schedule (with virtual stages: the only layout where Megatron has it) and its plain
-1F1B / interleaved schedule, and the executed order must contain pairs.
+1F1B / interleaved schedule, and the executed order must contain pairs; under the default hint
+the backwards also split into B and W (a pair's backward or a lone one defers its W).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def _delay_wgrad_runs_on_the_local_spec() -> bool:
     return hasattr(RowParallelLinear, "backward_dw")
 
 
-def _check(per_rank: list[list[dict]], references: set[str]) -> None:
-    for case_results in zip(*per_rank):
+def _check(per_rank: list[list[dict]], references: set[str], split_cases: tuple[int, ...] = ()) -> None:
+    """``split_cases``: the cases (default hint) whose backwards split into B and W beside the pairs."""
+    for case, case_results in enumerate(zip(*per_rank)):
         for r in case_results:
             assert set(r["errors"]) == references, r
             for name, (loss_err, grad_err) in r["errors"].items():
@@ -37,6 +39,11 @@ def _check(per_rank: list[list[dict]], references: set[str]) -> None:
                     forward, backward = pair.split("+")
                     tasks = order.split(",")
                     assert tasks.index(backward) + 1 == tasks.index(forward), (pair, order)
+        if case in split_cases:  # W tasks in the order, and some backward (paired or alone) deferred its W
+            for r in case_results:
+                backwards = [order.count("B") for order in r["orders"]]
+                assert all("W" in order for order in r["orders"]), r["orders"]
+                assert any(unsplit < n for unsplit, n in zip(r["unsplit"], backwards)), r
 
 
 @pytest.mark.timeout(400)
@@ -45,7 +52,7 @@ def test_paired_rrfp_equals_megatron_combined_1f1b_interleaved_and_plain_interle
     cases = [dict(num_microbatches=4, iterations=2, delay_wgrad=delay),
              dict(num_microbatches=4, iterations=1, hint="bf", buffer_limit=5, delay_wgrad=delay)]
     results = launch(compare_combined_cases, world_size=4, pp=2, ep=2, vpp=2, timeout=360, args=(cases,))
-    _check(results, {"plain", "combined"})
+    _check(results, {"plain", "combined"}, split_cases=(0,))
 
 
 @pytest.mark.timeout(400)
@@ -54,7 +61,7 @@ def test_paired_rrfp_without_interleaving_equals_megatron_1f1b():
     cases = [dict(num_microbatches=6, iterations=2, delay_wgrad=delay),  # default: 1F1B's order at 1x
              dict(num_microbatches=6, iterations=1, hint="bf", buffer_limit=3, delay_wgrad=delay)]
     results = launch(compare_combined_cases, world_size=4, pp=2, ep=2, timeout=360, args=(cases,))
-    _check(results, {"plain"})
+    _check(results, {"plain"}, split_cases=(0,))
 
 
 MOE_TRAIN = ["--cpu", "--nproc", "4", "--pipeline-model-parallel-size", "2", "--hidden-size", "32",
@@ -125,7 +132,7 @@ def test_train_refuses_what_combined_steps_cannot_run_before_any_rank_starts():
                pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="needs --virtual-pipeline-model-parallel-size.*rrfp pairs without it"):
         validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, pipeline_schedule="1f1b"))
-    with pytest.raises(ValueError, match="--rrfp-hint bfw splits the backward"):
+    with pytest.raises(ValueError, match="--rrfp-hint bfw places W tasks by its own order"):
         validate(TrainConfig(**moe, overlap_moe_expert_parallel_comm=True, pipeline_schedule="rrfp", rrfp_hint="bfw"))
     with pytest.raises(ValueError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
         validate(TrainConfig(**moe, delay_wgrad_compute=True, pipeline_schedule="rrfp"))

@@ -63,7 +63,7 @@ def compare_combined(*, num_microbatches: int = 4, iterations: int = 2, hint: st
                             around_task=sleep_before_tasks(lambda task: rng.uniform(0.0, max_task_delay_s)))
     runs.append(("rrfp", build(True), forward_backward_rrfp, {"rrfp_config": options}))
     errors = {name: [0.0, 0.0] for name, *_ in runs[:-1]}
-    orders, pairs, num_losses = [], [], 0
+    orders, pairs, unsplit, num_losses = [], [], [], 0
     for iteration in range(iterations):
         results = {}
         for name, chunk_models, schedule, extra in runs:
@@ -77,6 +77,7 @@ def compare_combined(*, num_microbatches: int = 4, iterations: int = 2, hint: st
         report = last_iteration_report()
         orders.append(report.order_string)
         pairs.append([f"{f}+{b}" for f, b in report.pairs])
+        unsplit.append(report.unsplit_backwards)
         ours_losses, ours_grads = results["rrfp"]
         num_losses += len(ours_losses)
         for name in errors:
@@ -93,7 +94,7 @@ def compare_combined(*, num_microbatches: int = 4, iterations: int = 2, hint: st
                 _sgd_step(m, 0.05)
     shutdown()
     return {"rank": rank, "stage": parallel_state.get_pipeline_model_parallel_rank(), "errors": errors,
-            "orders": orders, "pairs": pairs, "num_losses": num_losses}
+            "orders": orders, "pairs": pairs, "unsplit": unsplit, "num_losses": num_losses}
 
 
 def _gradients(model) -> dict:

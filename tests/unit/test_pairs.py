@@ -46,17 +46,18 @@ def check_pairs(result, topology: Topology) -> None:
 @given(pp=st.integers(1, 6), microbatches=st.integers(1, 12), chunks=st.integers(1, 3),
        limit=st.one_of(st.integers(1, 6), st.sampled_from(["1x", "1.5x"])),
        hint=st.sampled_from(["bf", "1f1b", "default"]), sigma=st.floats(0, 1.0), c50=st.floats(0, 1.0),
-       a2a=st.floats(0, 0.5), seed=st.integers(0, 2**16))
+       a2a=st.floats(0, 0.5), split=st.booleans(), seed=st.integers(0, 2**16))
 def test_plans_with_pairs_complete_in_dependency_order_within_memory(pp, microbatches, chunks, limit, hint, sigma,
-                                                                     c50, a2a, seed):
+                                                                     c50, a2a, split, seed):
     topology = Topology(pp, chunks)
     if not _megatron_accepts(pp, microbatches, chunks) and (hint != "bf" or isinstance(limit, str)):
         return  # Megatron's interleaved order (and so 1x) is undefined there: refused elsewhere
     v = Variability(sigma_compute=sigma, c50=c50, num_experts=8, expert_parallel=2, a2a_time=a2a)
     realization = sample_realization(v, topology, microbatches, seed)
-    config = ArbiterConfig(hint=hint, buffer_limit=limit, split_backward_ok=False, pair_forward_backward=True)
+    config = ArbiterConfig(hint=hint, buffer_limit=limit, split_backward_ok=split, pair_forward_backward=True)
+    plan = Plan.build(config, topology, microbatches)
     result = simulate(config, topology, microbatches, realization, record_trace=True)  # raises on deadlock
-    expected = set(all_tasks(microbatches, chunks))
+    expected = set(all_tasks(microbatches, chunks, split_backward=plan.split_backward))
     for order, pairs in zip(result.orders, result.pairs):
         assert len(order) == len(expected) and set(order) == expected
         for forward, backward in pairs:
@@ -101,13 +102,39 @@ def test_partner_is_admitted_after_the_backward_and_the_same_for_the_same_ready_
     assert arbiter.dispatched[-2:] == [B(0), F(2)]
 
 
-def test_split_backward_and_strict_never_pair():
+def test_strict_never_pairs():
     topology = Topology(2)
-    for config in (ArbiterConfig(hint="bfw", pair_forward_backward=True),
-                   ArbiterConfig(hint="1f1b", strict=True, pair_forward_backward=True)):
-        plan = Plan.build(config, topology, 4)
-        result = run(plan.arbiters(), topology, duration=constant_durations(plan.split_backward))
-        assert not any(result.pairs)
+    plan = Plan.build(ArbiterConfig(hint="1f1b", strict=True, pair_forward_backward=True), topology, 4)
+    assert not any(run(plan.arbiters(), topology, duration=constant_durations(False)).pairs)
+
+
+def test_with_the_split_a_pair_keeps_it_where_the_forward_fits_beside_and_runs_whole_where_it_needs_the_release():
+    topology = Topology(2)
+    config = ArbiterConfig(hint="default", buffer_limit=2, pair_forward_backward=True)
+
+    def holding(*forwards) -> Arbiter:
+        arbiter = Arbiter(config, stage=0, topology=topology, num_microbatches=6)
+        assert arbiter.split_backward
+        for mb in forwards:
+            arbiter.record(F(mb))
+        return arbiter
+
+    room = holding(0)  # one slot free: F(1) runs beside the split B(0), whose W releases later
+    assert room.choose({B(0), F(1)}) == B(0) and room.take_partner(B(0)) == F(1)
+    room.record_pair(B(0), F(1))
+    assert room.defers_weight(B(0)) and room.in_flight == 2 and room.unsplit_backwards == 0
+    full = holding(0, 1)  # at the limit: only B(0)'s release admits F(2), so B(0) runs whole
+    assert full.choose({B(0), F(2)}) == B(0) and full.take_partner(B(0)) == F(2)
+    full.record_pair(B(0), F(2))
+    assert not full.defers_weight(B(0)) and full.in_flight == 2 and full.unsplit_backwards == 1
+    # both pairs in the simulator: a kept split costs the pair B alone, W runs later; a whole one B and W
+    v = Variability(sigma_compute=0.0, num_experts=8, expert_parallel=2, a2a_time=0.3, moe_skew=0.0,
+                    moe_concentration=1e9)
+    r = sample_realization(v, topology, 6, seed=0)
+    split, whole = r.pair_duration(0, F(1), B(0), True), r.pair_duration(0, F(1), B(0), False)
+    comm = r.backward_comm[0][0][1] + r.backward_comm[0][0][0]
+    compute = r.duration(0, F(1), False) + r.duration(0, B(0), True) - comm
+    assert split == pytest.approx(max(compute, comm)) and split < whole
 
 
 def test_simulated_pair_hides_the_smaller_resource():
@@ -133,12 +160,12 @@ def test_combined_steps_pair_and_refuse_what_they_cannot_run():
 
     config = types.SimpleNamespace(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
     paired = with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step, forward_only=False)
-    assert paired.arbiter.pair_forward_backward and not paired.arbiter.split_backward_ok
+    assert paired.arbiter.pair_forward_backward and paired.arbiter.split_backward_ok  # split where it can
     assert not with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step,
                                    forward_only=True).arbiter.pair_forward_backward  # evaluation: plain forwards
     with pytest.raises(ValueError, match="overlap-moe-expert-parallel-comm.*return_schedule_plan"):
         with_combined_steps(RRFPConfig.of(), config, [], lambda data_iterator, model: None, forward_only=False)
-    with pytest.raises(ValueError, match="hint 'bfw'.*splits the backward"):
+    with pytest.raises(ValueError, match="hint 'bfw'.*not built for pairs"):
         with_combined_steps(RRFPConfig.of(hint="bfw"), config, [], gpt_forward_step, forward_only=False)
     off = types.SimpleNamespace(overlap_moe_expert_parallel_comm=False)
     assert not with_combined_steps(RRFPConfig.of(), off, [], gpt_forward_step,
