@@ -232,7 +232,7 @@ def build_call(state: ScheduleState, options: RRFPConfig, inputs: Inputs, *, pg_
     runtime = session(place.pp_ranks, place.groups.agreement_ranks, place.device, options.timeout_s,
                       _transport_for(options, place.dp_mode), state=state)
     options = with_combined_steps(options, place.config, inputs.models, inputs.forward_step_func,
-                                  forward_only=inputs.forward_only)  # pairs F and B; never splits them
+                                  forward_only=inputs.forward_only)  # pairs F and B
     options = with_split_capability(options, inputs.models, state=state,
                                     all_stages=lambda ok: _all_true(ok, place.groups.pp, place.device))
     measuring, variant, trial = False, None, None

@@ -189,7 +189,7 @@ class Arbiter:
         """The driver dispatched ``first`` and ``partner`` together: recorded as the backward,
         then the forward (the forward was admitted on the state after the backward's release)."""
         forward, backward = (first, partner) if first.kind is Kind.F else (partner, first)
-        if self.split_backward and not self._admitted_beside_split(forward):  # the release admitted it
+        if not self._admitted_beside_split(backward, forward):  # the backward's release admitted it
             self._inline.add((backward.microbatch, backward.chunk))
         self.record(backward)
         self.record(forward)
@@ -204,7 +204,7 @@ class Arbiter:
         limit is held, as in Megatron's combined 1F1B. With a split backward a forward admitted
         beside the split (no release) comes first: the pair then defers its W like a lone B."""
         forwards = {t for t in self._ready_seen if t.kind is Kind.F}
-        candidates = {t for t in forwards if self._admitted_beside_split(t)}
+        candidates = {t for t in forwards if self._admitted_beside_split(backward, t)}
         if not candidates:
             frontier = self._frontier_after_backward(backward)
             candidates = {t for t in forwards if t.microbatch <= frontier}
@@ -405,19 +405,24 @@ class Arbiter:
         """A B split now keeps its stash within the byte budget (always, without bytes)."""
         return self._bytes is None or self.level + self._bytes.stage.split_peak <= self._bytes.split * _TOLERANCE
 
-    def _admitted_beside_split(self, forward: Task) -> bool:
-        """``forward`` may run beside a backward that splits, whose release comes only with its W."""
-        return self.split_backward and self._split_fits() and forward.microbatch <= self.admission_frontier()
+    def _admitted_beside_split(self, backward: Task, forward: Task) -> bool:
+        """``forward`` may run beside ``backward`` split, whose release comes only with its W."""
+        return (self.split_backward and (backward.microbatch, backward.chunk) not in self._inline
+                and self._split_fits() and forward.microbatch <= self._frontier_after_backward(backward, split=True))
 
-    def _frontier_after_backward(self, backward: Task) -> int:
-        """``admission_frontier`` as it would be once the unsplit ``backward`` ran (state restored)."""
+    def _frontier_after_backward(self, backward: Task, *, split: bool = False) -> int:
+        """``admission_frontier`` as it would be once ``backward`` ran (state restored): unsplit,
+        its forward's memory released; split, its stash kept until its W."""
         mb = backward.microbatch
         saved = (self.in_flight, self._released[mb], self._oldest, self._frontier_at, self._frontier, self.level,
                  self._held_bytes[mb], self.peak_level)
         try:
             weights = self._bytes.stage if self._bytes is not None else UNIT
-            self._add_bytes(mb, -weights.forward)
-            self._release(mb)
+            if split:
+                self._add_bytes(mb, weights.pending - weights.forward)
+            else:
+                self._add_bytes(mb, -weights.forward)
+                self._release(mb)
             self._frontier_at = -1
             return self.admission_frontier()
         finally:

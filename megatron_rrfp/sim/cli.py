@@ -15,7 +15,7 @@ from ..policy.arbiter import DEFAULT_BUFFER_LIMIT
 from .llava import BOUNDS as LLAVA_BOUNDS
 from .llava import LlavaOptions
 from .simulator import BASELINE
-from .study import DEFAULT_POLICIES, StudyConfig
+from .study import DEFAULT_POLICIES, PAIRED_POLICIES, StudyConfig
 from .variability import Variability
 
 _VARIABILITY = Variability.BOUNDS
@@ -89,7 +89,8 @@ class SimulateOptions:
     num_microbatches: int = layout_option("num_microbatches", 32, "microbatches per iteration",
                                           _STUDY["num_microbatches"])
     policies: str = option(",".join(DEFAULT_POLICIES), "comma list of default, bf, bfw, 1f1b, zbh1, gpipe or hint "
-                           "files; '-strict' = fixed order")
+                           "files; '-strict' = fixed order (under --overlap-moe-expert-parallel-comm the default "
+                           f"is {','.join(PAIRED_POLICIES)})")
     buffer_limit: str = option(DEFAULT_BUFFER_LIMIT, "(microbatch, chunk) forwards in flight per stage: an integer, "
                                "or a multiple of what Megatron's own schedule holds ('1x', '1.5x'); a comma list "
                                "(1x,1.5x,2x,4x) draws the speedup-vs-memory trade-off curve", type=str)
@@ -117,6 +118,10 @@ class SimulateOptions:
                                   "(default: next to --json)", metavar="PNG")
     timeline: Optional[str] = option(None, "draw every policy's timeline for the first seed", metavar="PNG")
     trace: Optional[str] = option(None, "Chrome/Perfetto trace of the first seed", metavar="JSON")
+    overlap_moe_expert_parallel_comm: bool = switch(
+        "MoE (--num-experts, --expert-model-parallel-size > 1): readiness-first policies pair a ready forward with a "
+        "ready backward (megatron-core's combined step, as --pipeline-schedule rrfp runs it); Megatron's combined "
+        "1F1B runs beside them (virtual stages at PP > 1)")
     optimal: bool = switch("also the clairvoyant optimum per seed (CP-SAT; small layouts: pip install "
                            "megatron-rrfp[optimal]): each policy's makespan / optimum beside /LB")
     optimal_time_limit: float = option(10.0, "solver seconds per seed and limit; past it the best order found is "
@@ -161,9 +166,14 @@ def _run_simulate(o: SimulateOptions) -> int:
         print(describe(load_task_times(variability.task_times, variability.task_times_workload)))
     config = StudyConfig(pipeline_size=o.pipeline_model_parallel_size, num_microbatches=o.num_microbatches,
                          num_chunks=o.virtual_pipeline_model_parallel_size,
-                         policies=[p.strip() for p in o.policies.split(",") if p.strip()],
+                         policies=list(PAIRED_POLICIES) if o.overlap_moe_expert_parallel_comm and
+                         o.policies == ",".join(DEFAULT_POLICIES) else [p.strip() for p in o.policies.split(",")
+                                                                      if p.strip()],
                          buffer_limit=limits[0], seeds=o.seeds, first_seed=o.first_seed,
-                         variability=variability, baseline=o.baseline)
+                         variability=variability, baseline=o.baseline,
+                         overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm)
+    if o.optimal and o.overlap_moe_expert_parallel_comm:
+        raise ValueError("--optimal does not model paired tasks (--overlap-moe-expert-parallel-comm): drop one")
     if o.optimal:
         from .optimal import check_study
 

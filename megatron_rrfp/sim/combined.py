@@ -46,13 +46,20 @@ class CombinedRun:
     makespan: float
     peak_in_flight: list[int]
     pairs: int
+    busy: list[float]
+    """Per stage, the time it computed (a pair counted once)."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of the pipeline, as ``DryRun.bubble_fraction``."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
 def simulate_combined(topology: Topology, num_microbatches: int, realization: Realization) -> CombinedRun:
     """Megatron's combined 1F1B under ``realization``'s durations and latencies."""
     steps = combined_orders(topology, num_microbatches)
     pp = topology.num_stages
-    position, free_at = [0] * pp, [0.0] * pp
+    position, free_at, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     arrived: list[set] = [set() for _ in range(pp)]  # ("F" | "B", mb, chunk) messages here
     done: list[set] = [set() for _ in range(pp)]
     link_clear: dict = {}
@@ -86,6 +93,7 @@ def simulate_combined(topology: Topology, num_microbatches: int, realization: Re
                     length = realization.duration(stage, step[0], False)
                 end = now + length
                 free_at[stage] = end
+                busy[stage] += length
                 heapq.heappush(events, (end, len(events), stage, ("done", step)))
         if not events:
             break
@@ -106,7 +114,7 @@ def simulate_combined(topology: Topology, num_microbatches: int, realization: Re
     peaks = [peak_in_flight([t for step in stage_steps for t in sorted(step, key=lambda t: t.kind is Kind.F)])
              for stage_steps in steps]
     return CombinedRun(makespan=now, peak_in_flight=peaks,
-                       pairs=sum(len(step) == 2 for stage_steps in steps for step in stage_steps))
+                       pairs=sum(len(step) == 2 for stage_steps in steps for step in stage_steps), busy=busy)
 
 
 __all__ = ["CombinedRun", "combined_orders", "simulate_combined"]

@@ -4,12 +4,16 @@
     megatron-rrfp simulate --pp 8 -m 32 --reference --baseline zbh1-strict  # also vs strict ZB-H1
     megatron-rrfp simulate --pp 8 -m 32 --chunks 2 --reference \
         --buffer-limit 1x,1.25x,1.5x,2x,4x --json out/curve.json            # + out/curve-curve.png
+    megatron-rrfp simulate --pp 4 -m 16 --chunks 2 --reference --num-experts 16 \
+        --expert-model-parallel-size 2 --a2a-time 0.64 --overlap-moe-expert-parallel-comm   # paired F and B
 
 Speedups are per-seed ratios on the same realisation, then the median over seeds.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,10 +26,15 @@ from ..policy.budget import LimitSpec, megatron_peak_in_flight, resolve_buffer_l
 from ..policy.plan import Plan
 from ..policy.topology import Topology
 from .bounds import lower_bound, policy_lower_bound
+from .combined import simulate_combined
 from .simulator import BASELINE, STRICT_SUFFIX, median, policy, simulate
 from .variability import Variability, sample_realization
 
 DEFAULT_POLICIES = ("1f1b-strict", "zbh1-strict", "default", "bf", "bfw", "zbh1")
+PAIRED_POLICIES = ("1f1b-strict", "zbh1-strict", "default", "bf")
+"""``DEFAULT_POLICIES`` under ``--overlap-moe-expert-parallel-comm`` (bfw and zbh1 place W themselves)."""
+COMBINED = "combined-1f1b"
+"""Megatron's combined 1F1B (``--overlap-moe-expert-parallel-comm``) as a fixed order (combined.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +53,9 @@ class StudyConfig:
     variability: Variability = field(default_factory=Variability)
     baseline: str = BASELINE
     """A second reference (e.g. zbh1-strict): speedups over it are reported too, per seed."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """MoE: readiness-first policies pair a ready F with a ready B (megatron-core's combined step) and
+    Megatron's combined 1F1B runs beside them where Megatron has it (virtual stages at PP > 1)."""
 
     BOUNDS: ClassVar[dict[str, Bound]] = {
         "pipeline_size": integer(1, 1024), "num_microbatches": integer(1, 100_000), "num_chunks": integer(1, 64),
@@ -79,10 +91,40 @@ class StudyConfig:
                 Plan.build(policy(name, self.buffer_limit), topology, self.num_microbatches)
             except ValueError as exc:  # HintError: unknown name, malformed or unrunnable hint file
                 raise ValueError(f"--policies {name}: {exc}") from None
+        if self.overlap_moe_expert_parallel_comm:
+            self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        if not self.variability.num_experts or self.variability.expert_parallel < 2:
+            raise ValueError("--overlap-moe-expert-parallel-comm needs --num-experts and --expert-model-parallel-size "
+                             "> 1 (the all-to-alls a pair overlaps)")
+        for name in self.policies:
+            hint = policy(name).parsed_hint
+            if not _is_strict(name) and hint.name != "default" and hint.split_backward:
+                raise ValueError(f"--policies {name}: places W tasks by its own order, which is not built for the "
+                                 "pairs of --overlap-moe-expert-parallel-comm; use default, bf, 1f1b or a -strict "
+                                 "order")
+
+    def combined_runs(self) -> bool:
+        """Megatron's combined 1F1B is simulated beside the policies (it needs virtual stages at PP > 1)."""
+        return self.overlap_moe_expert_parallel_comm and (self.num_chunks > 1 or self.pipeline_size == 1)
+
+    def arbiter(self, name: str, limit: Optional[LimitSpec] = None):
+        """The ArbiterConfig of policy ``name`` at ``limit`` (a fixed order: its own memory); under
+        ``overlap_moe_expert_parallel_comm`` readiness-first ones pair, as the runtime runs them."""
+        config = policy(name) if limit is None else policy(name, limit)
+        if self.overlap_moe_expert_parallel_comm and not _is_strict(name):
+            config = dataclasses.replace(config, pair_forward_backward=True)
+        return config
 
 
 def _is_strict(name: str) -> bool:
     return name.endswith(STRICT_SUFFIX)
+
+
+def _fixed(name: str) -> bool:
+    """A fixed order, run once per seed whatever the buffer limit (its memory is its own)."""
+    return _is_strict(name) or name == COMBINED
 
 
 def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
@@ -97,9 +139,23 @@ def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: 
     topology = Topology(config.pipeline_size, config.num_chunks)
     m = config.num_microbatches
     resolved = [resolve_buffer_limit(spec, topology, m) for spec in limits]
-    policies = list(dict.fromkeys([BASELINE, config.baseline, *config.policies]))  # references always run
-    strict = [p for p in policies if _is_strict(p)]
-    loose = [p for p in policies if not _is_strict(p)]
+    combined = [COMBINED] if config.combined_runs() else []
+    policies = list(dict.fromkeys([BASELINE, config.baseline, *combined, *config.policies]))  # references always run
+    strict = [p for p in policies if _fixed(p)]
+    loose = [p for p in policies if not _fixed(p)]
+    # a pair can beat the bound, which runs F and B in series: no /LB under the flag
+    no_bound = config.overlap_moe_expert_parallel_comm
+
+    def bound_of(name, realization, limit=None) -> float:
+        if no_bound or name == COMBINED:
+            return math.nan
+        return policy_lower_bound(config.arbiter(name, limit), topology, realization)
+
+    def run_fixed(name, realization):
+        if name == COMBINED:
+            return simulate_combined(topology, m, realization)
+        return simulate(config.arbiter(name), topology, m, realization, name=name)
+
     runs: list[dict[str, list]] = [{name: [] for name in policies} for _ in limits]
     own_bounds: list[dict[str, list]] = [{name: [] for name in policies} for _ in limits]
     bounds, split_bounds = [], []
@@ -108,15 +164,16 @@ def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: 
         realization = sample_realization(config.variability, topology, m, seed)
         bounds.append(lower_bound(realization, topology, m))
         split_bounds.append(lower_bound(realization, topology, m, split_backward=True))
-        fixed = {name: simulate(policy(name), topology, m, realization, name=name) for name in strict}
-        fixed_bounds = {name: policy_lower_bound(policy(name), topology, realization) for name in strict}
+        fixed = {name: run_fixed(name, realization) for name in strict}
+        fixed_bounds = {name: bound_of(name, realization) for name in strict}
         for index, limit in enumerate(resolved):
             for name in strict:
                 runs[index][name].append(fixed[name])
                 own_bounds[index][name].append(fixed_bounds[name])
             for name in loose:
-                runs[index][name].append(simulate(policy(name, limit), topology, m, realization, name=name))
-                own_bounds[index][name].append(policy_lower_bound(policy(name, limit), topology, realization))
+                arbiter = config.arbiter(name, limit)
+                runs[index][name].append(simulate(arbiter, topology, m, realization, name=name))
+                own_bounds[index][name].append(bound_of(name, realization, limit))
     one_x = _one_x(topology, m)
     studies = [_report(config, spec, limit, one_x, seeds, bounds, split_bounds, by_policy, by_policy_bounds)
                for spec, limit, by_policy, by_policy_bounds in zip(limits, resolved, runs, own_bounds)]
@@ -126,7 +183,7 @@ def run_tradeoff(config: StudyConfig, limits: Sequence[LimitSpec], *, progress: 
                      "speedup_vs_1f1b_strict": study["policies"][name]["speedup_vs_1f1b_strict"],
                      "speedup_vs_baseline": study["policies"][name]["speedup_vs_baseline"],
                      "makespan_over_lower_bound": study["policies"][name]["makespan_over_lower_bound"]}
-                    for study in (studies[:1] if _is_strict(name) else studies)]
+                    for study in (studies[:1] if _fixed(name) else studies)]
              for name in policies}
     return {"megatron_peak_in_flight": one_x, "studies": studies, "curve": curve}
 
@@ -152,6 +209,7 @@ def _report(config: StudyConfig, spec: LimitSpec, limit: int, one_x: Optional[in
         "seeds": list(seeds),
         "baseline": config.baseline,
         "variability": asdict(config.variability),
+        "overlap_moe_expert_parallel_comm": config.overlap_moe_expert_parallel_comm,
         "lower_bound_median": median(bounds),
         "lower_bound_split_median": median(split_bounds),
         "policies": {},
@@ -193,7 +251,12 @@ def format_report(report: dict) -> str:
                     + (f"{p['makespan_over_optimal']:>7.3f}" if optimum else "")
                     + f"{p['makespan_over_lower_bound']:>7.3f}"
                     f"{p['peak_in_flight_max']:>8d}" + (f"{p['speedup_vs_baseline']:>17.3f}x" if other else ""))
-    if optimum:
+    if report.get("overlap_moe_expert_parallel_comm"):
+        rows.append("--overlap-moe-expert-parallel-comm: readiness-first policies pair a ready F with a ready B; "
+                    "/LB left out (the bound runs F and B in series)" + (
+                        "" if COMBINED in report["policies"] else
+                        "; Megatron's combined 1F1B needs virtual stages at PP > 1: not simulated"))
+    elif optimum:
         from .optimal import format_optimum
 
         rows.append(format_optimum(report))
@@ -242,7 +305,7 @@ def write_timeline(config: StudyConfig, path: str, *, trace_path: Optional[str] 
     realization = sample_realization(config.variability, topology, config.num_microbatches, config.first_seed)
     runs = {}
     for name in dict.fromkeys([BASELINE, config.baseline, *config.policies]):
-        result = simulate(policy(name, config.buffer_limit), topology, config.num_microbatches, realization,
+        result = simulate(config.arbiter(name, config.buffer_limit), topology, config.num_microbatches, realization,
                           name=name, record_trace=True)
         runs[name] = spans_from_simulation(result.trace)
     if trace_path:

@@ -423,8 +423,9 @@ def _check_combined(c: TrainConfig) -> None:
              f"--pipeline-model-parallel-size {pp} needs --virtual-pipeline-model-parallel-size (Megatron's combined "
              "1F1B exists only for its interleaved schedule); --pipeline-schedule rrfp pairs without it")
     _require(c.pipeline_schedule != "rrfp" or c.rrfp_hint not in ("bfw", "zbh1"),
-             f"--rrfp-hint {c.rrfp_hint} splits the backward into B and W, while megatron-core's combined step "
-             "runs each layer's whole backward (--overlap-moe-expert-parallel-comm): use default, bf or 1f1b")
+             f"--rrfp-hint {c.rrfp_hint} places W tasks by its own order, which is not built for the pairs of "
+             "--overlap-moe-expert-parallel-comm: use default (it pairs, and splits the backward where it can), "
+             "bf or 1f1b")
     if c.delay_wgrad_compute:
         from megatron.core.tensor_parallel.layers import RowParallelLinear
 

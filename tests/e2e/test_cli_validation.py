@@ -169,6 +169,11 @@ def test_every_numeric_flag_is_covered():
      "--pipeline-model-parallel-size x --virtual-pipeline-model-parallel-size x --num-microbatches"),
     (["simulate", "--policies", "zigzag"], "unknown hint 'zigzag'"),
     (["simulate", "--policies", "no/such/hint.json"], "does not exist"),
+    (["simulate", "--overlap-moe-expert-parallel-comm"], "--num-experts and --expert-model-parallel-size"),
+    (["simulate", "--num-experts", "4", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+      "--policies", "default,bfw"], "--policies bfw"),
+    (["simulate", "--pp", "2", "-m", "4", "--num-experts", "4", "--expert-model-parallel-size", "2",
+      "--overlap-moe-expert-parallel-comm", "--optimal"], "--optimal"),
     (["bench", "--tp", "3"], "--tensor-model-parallel-size"),
     (["bench", "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),  # Megatron-LM's name
     (["bench", "--pp", "4", "--chunks", "2", "-m", "6"], "--schedules"),

@@ -432,8 +432,8 @@ def run_emulated(job: EmulatedJob) -> EmulatedOutcome:
     ep_ops = {(s, t, g): TPGroupOps(fabric, f"ep{s}.{t}.{g}", [rank_of(s, t, r) for r in range(g * job.ep,
                                                                                             (g + 1) * job.ep)])
               for s in range(job.pp) for t in range(job.tp) for g in range(job.dp // job.ep)} if job.ep > 1 else {}
-    plan = Plan.build(ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit, pair_forward_backward=job.pair,
-                                    split_backward_ok=not job.pair), topology, job.microbatches)
+    plan = Plan.build(ArbiterConfig(hint=job.hint, buffer_limit=job.buffer_limit, pair_forward_backward=job.pair),
+                      topology, job.microbatches)
     works: list = []
     finals: dict = {r: {} for r in range(job.dp)}
     orders: dict = {r: [] for r in ranks}
@@ -603,14 +603,16 @@ def _random_variant(seed: int, chunks: int, protocol: str) -> dict:
 def paired_jobs(count: int, *, seed: int, protocol: str, quiet_s: float = 2.0) -> list[EmulatedJob]:
     """``count`` random jobs whose stages pair a ready F with a ready B (megatron-core's combined step,
     ``--overlap-moe-expert-parallel-comm``): MoE with EP=2 (all-to-alls in both halves of a pair, the
-    dispatcher's host sync) in most, TP=2, with and without chunks, the hints that pair (no W)."""
+    dispatcher's host sync) in most, TP=2, with and without chunks, the hints that pair (``default``
+    with its B/W split: a pair's backward defers its W or runs whole, as the arbiter decides)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
         pp, chunks = rng.choice((2, 3, 4)), rng.choice((1, 1, 2, 3))
         microbatches = pp * rng.choice((1, 2)) if chunks > 1 else rng.choice((4, 6, 8))
         ep = rng.choice((1, 2, 2))
-        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches, hint=rng.choice(("bf", "1f1b")),
+        hint = rng.choice(("bf", "1f1b", "default"))
+        jobs.append(EmulatedJob(pp=pp, chunks=chunks, microbatches=microbatches, hint=hint,
                                 buffer_limit=rng.choice((2, 4, 32)), protocol=protocol, seed=seed * 1000 + i,
                                 task_ms=(0.2, rng.choice((1.0, 3.0))), host_jitter_ms=rng.choice((0.2, 1.0, 3.0)),
                                 channel_latency_ms=rng.choice((0.5, 2.0, 5.0)), quiet_s=quiet_s, dp=2 if ep > 1 else 1,

@@ -20,6 +20,9 @@ def test_random_paired_jobs_complete_on_the_rounds_protocol():
     assert not failed, failed
     assert sum(outcome.pairs for _, outcome in outcomes) > 0
     assert sum(outcome.pairs > 0 for _, outcome in outcomes) >= len(jobs) // 2
+    # the default hint pairs with its B/W split: pairs and W tasks in one job
+    assert any(outcome.pairs and any("W" in order for orders in outcome.orders.values() for order in orders)
+               for job, outcome in outcomes if job.hint == "default")
 
 
 def test_a_paired_moe_job_on_two_pipelines_runs_one_order_per_stage():

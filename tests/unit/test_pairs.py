@@ -188,3 +188,54 @@ def test_megatron_combined_order_runs_one_warmup_forward_more_and_pairs_the_stea
     v = Variability(sigma_compute=0.0, num_experts=8, expert_parallel=2, a2a_time=0.5)
     run_ = simulate_combined(topology, m, sample_realization(v, topology, m, seed=0))
     assert run_.pairs > 0 and run_.makespan > 0
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(2, 6), chunks=st.integers(1, 2), groups=st.integers(1, 3), bytes_seed=st.integers(0, 2**16),
+       a2a=st.floats(0, 0.5), seed=st.integers(0, 2**16))
+def test_pairs_with_the_split_complete_under_byte_budgets(pp, chunks, groups, bytes_seed, a2a, seed):
+    """The default hint at 1x with byte budgets (what the runtime runs under the flag): a pair's backward
+    keeps its split only where the forward is admitted on the state that split leaves (its stash can
+    weigh more or less than the forward it replaces), and every plan still completes in dependency order."""
+    import random
+
+    from megatron_rrfp.policy.membytes import StageBytes, calibrated_budgets
+
+    topology, microbatches = Topology(pp, chunks), pp * groups
+    rng = random.Random(bytes_seed)
+    weights = [rng.uniform(0.5, 2.0) for _ in range(pp)]
+    stages = [StageBytes(forward=w, forward_peak=w * rng.uniform(1.0, 1.5), pending=w * rng.uniform(0.3, 1.5),
+                         split_peak=w * rng.uniform(1.0, 1.6)) for w in weights]
+    config = ArbiterConfig(buffer_limit="1x", pair_forward_backward=True,
+                           memory_bytes=calibrated_budgets(stages, topology, microbatches))
+    v = Variability(sigma_compute=0.3, c50=0.1, num_experts=8, expert_parallel=2, a2a_time=a2a)
+    result = simulate(config, topology, microbatches, sample_realization(v, topology, microbatches, seed),
+                      record_trace=True)  # raises on deadlock
+    split = Plan.build(config, topology, microbatches).split_backward
+    expected = set(all_tasks(microbatches, chunks, split_backward=split))
+    assert all(set(order) == expected and len(order) == len(expected) for order in result.orders)
+    check_pairs(result, topology)
+
+
+def test_simulate_pairs_under_the_flag_as_the_runtime_and_runs_megatron_combined_beside():
+    """``simulate --overlap-moe-expert-parallel-comm``: the readiness-first policies are the paired
+    arbiters the runtime builds, Megatron's combined 1F1B runs beside them (virtual stages), /LB is left out."""
+    from megatron_rrfp.sim.combined import simulate_combined
+    from megatron_rrfp.sim.study import COMBINED, StudyConfig, format_report, run_study
+
+    topology, m = Topology(2, 2), 4
+    v = Variability(sigma_compute=0.3, c50=0.1, num_experts=4, expert_parallel=2, a2a_time=0.6)
+    config = StudyConfig(pipeline_size=2, num_chunks=2, num_microbatches=m, policies=["default", "bf"], seeds=2,
+                         variability=v, overlap_moe_expert_parallel_comm=True)
+    report = run_study(config, progress=False)
+    for seed in (0, 1):
+        r = sample_realization(v, topology, m, seed)
+        paired = simulate(ArbiterConfig(hint="default", pair_forward_backward=True), topology, m, r)
+        assert any(paired.pairs)
+        assert report["policies"]["default"]["makespan_per_seed"][seed] == paired.makespan
+        assert report["policies"][COMBINED]["makespan_per_seed"][seed] == simulate_combined(topology, m, r).makespan
+    assert all(p["makespan_over_lower_bound"] != p["makespan_over_lower_bound"] for p in report["policies"].values())
+    assert COMBINED in format_report(report)
+    without = StudyConfig(pipeline_size=2, num_microbatches=m, policies=["default"], seeds=1, variability=v,
+                          overlap_moe_expert_parallel_comm=True)
+    assert "not simulated" in format_report(run_study(without, progress=False))  # no virtual stages: no combined
