@@ -29,8 +29,9 @@ two or more GPUs (all ranks together, NCCL)
                        reductions against Megatron's interleaved 1F1B
   production-*         Megatron-LM's production flags (sequence parallelism, overlapped DP
                        with the distributed optimizer, in and out of the task loop, MoE
-                       EP2, bf16), each against Megatron's own schedule (4 GPUs;
-                       ``equivalence.py``)
+                       EP2, bf16, paired F and B on megatron-core's two streams with
+                       --overlap-moe-expert-parallel-comm), each against Megatron's own
+                       schedule (4 GPUs; ``equivalence.py``)
   te-bfw, te-bias, te-first-microbatch, te-fp8, te-grouped
                        Transformer Engine's own split driven by rrfp's W, forward outside
                        deferring as the executor runs it: deferral observed, bias variants,
@@ -66,13 +67,13 @@ STEPS_MULTI_GPU = ("nccl-stress", "megatron-equivalence", "equivalence-tp2-pp2",
                    *("production-" + name for name in ("sp-tp2-pp2", "dp-overlap-pp2-chunks2",
                                                      "dp-lockstep-pp2-chunks2", "dp-after-loop-pp2-chunks2",
                                                      "dp-epochs-pp4-chunks2", "moe-ep2-pp2",
-                                                     "bf16-dp-overlap-pp2-chunks2")))
+                                                     "bf16-dp-overlap-pp2-chunks2", "moe-paired-ep2-pp2-chunks2")))
 STEPS = STEPS_ONE_GPU + STEPS_MULTI_GPU + ("one-context",)
 GPUS_NEEDED = {"nccl-stress": 2, "megatron-equivalence": 2, "equivalence-tp2-pp2": 4,
                "equivalence-pp4-chunks2-dp2": 8, "production-sp-tp2-pp2": 4, "production-dp-overlap-pp2-chunks2": 4,
                "production-dp-lockstep-pp2-chunks2": 4, "production-dp-after-loop-pp2-chunks2": 4,
                "production-dp-epochs-pp4-chunks2": 8, "production-moe-ep2-pp2": 4,
-               "production-bf16-dp-overlap-pp2-chunks2": 4}
+               "production-bf16-dp-overlap-pp2-chunks2": 4, "production-moe-paired-ep2-pp2-chunks2": 4}
 """A step runs where the world is a multiple of this many GPUs (the rest is data parallelism)."""
 
 STEP_FUNCTIONS: dict[str, Callable] = {

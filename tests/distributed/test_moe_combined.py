@@ -64,6 +64,27 @@ def test_paired_rrfp_without_interleaving_equals_megatron_1f1b():
     _check(results, {"plain"}, split_cases=(0,))
 
 
+def _paired_selfcheck_step_on_cpu() -> tuple[str, str]:
+    import torch.distributed as dist
+
+    from megatron_rrfp.selfcheck.equivalence import PRODUCTION_STEPS, gpt_equivalence
+
+    ctx = {"world": dist.get_world_size(), "seed": 0, "stall_timeout_s": 60.0}
+    return gpt_equivalence(ctx, iterations=2, num_microbatches=4, device="cpu",
+                           **PRODUCTION_STEPS["production-moe-paired-ep2-pp2-chunks2"])
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_selfchecks_paired_step_runs_on_cpu():
+    """The self-check's paired step (``production-moe-paired-ep2-pp2-chunks2``: bf16, EP2 x PP2 x 2
+    chunks, every F and B a combined step) on 4 gloo ranks: equal to Megatron's combined-1F1B
+    interleaved schedule within the bf16 tolerance, pairs run. On a GPU the same code runs the
+    step's two streams; on CPU they are no-ops."""
+    for status, detail in launch(_paired_selfcheck_step_on_cpu, world_size=4, pp=2, timeout=240):
+        assert status == "PASS", detail
+        assert "EP=2 (alltoall)" in detail and "paired F and B" in detail and " 0 pairs run" not in detail, detail
+
+
 MOE_TRAIN = ["--cpu", "--nproc", "4", "--pipeline-model-parallel-size", "2", "--hidden-size", "32",
              "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1",
              "--global-batch-size", "8", "--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "0",
