@@ -187,10 +187,10 @@ class Arbiter:
 
     def record_pair(self, first: Task, partner: Task) -> None:
         """The driver dispatched ``first`` and ``partner`` together: recorded as the backward,
-        then the forward (the forward was admitted on the state after the backward's release)."""
+        then the forward (admitted on the state the backward left: split, its stash; whole, its release)."""
         forward, backward = (first, partner) if first.kind is Kind.F else (partner, first)
-        if not self._admitted_beside_split(backward, forward):  # the backward's release admitted it
-            self._inline.add((backward.microbatch, backward.chunk))
+        if self.split_backward and forward.microbatch > self._frontier_beside_split(backward):
+            self._inline.add((backward.microbatch, backward.chunk))  # its release admitted the forward: whole
         self.record(backward)
         self.record(forward)
         self.pairs.append((forward, backward))
@@ -204,7 +204,8 @@ class Arbiter:
         limit is held, as in Megatron's combined 1F1B. With a split backward a forward admitted
         beside the split (no release) comes first: the pair then defers its W like a lone B."""
         forwards = {t for t in self._ready_seen if t.kind is Kind.F}
-        candidates = {t for t in forwards if self._admitted_beside_split(backward, t)}
+        beside = self._frontier_beside_split(backward)
+        candidates = {t for t in forwards if t.microbatch <= beside}
         if not candidates:
             frontier = self._frontier_after_backward(backward)
             candidates = {t for t in forwards if t.microbatch <= frontier}
@@ -405,10 +406,12 @@ class Arbiter:
         """A B split now keeps its stash within the byte budget (always, without bytes)."""
         return self._bytes is None or self.level + self._bytes.stage.split_peak <= self._bytes.split * _TOLERANCE
 
-    def _admitted_beside_split(self, backward: Task, forward: Task) -> bool:
-        """``forward`` may run beside ``backward`` split, whose release comes only with its W."""
-        return (self.split_backward and (backward.microbatch, backward.chunk) not in self._inline
-                and self._split_fits() and forward.microbatch <= self._frontier_after_backward(backward, split=True))
+    def _frontier_beside_split(self, backward: Task) -> int:
+        """The admission frontier beside ``backward`` split, whose release comes only with its W (-1:
+        it would not split)."""
+        if not self.split_backward or (backward.microbatch, backward.chunk) in self._inline or not self._split_fits():
+            return -1
+        return self._frontier_after_backward(backward, split=True)
 
     def _frontier_after_backward(self, backward: Task, *, split: bool = False) -> int:
         """``admission_frontier`` as it would be once ``backward`` ran (state restored): unsplit,

@@ -99,6 +99,7 @@ def test_partner_is_admitted_after_the_backward_and_the_same_for_the_same_ready_
     assert arbiter.in_flight == 2 and arbiter.admission_frontier() == -1  # choose() changed nothing
     arbiter.record_pair(B(0), F(2))
     assert arbiter.pairs == [(F(2), B(0))] and arbiter.in_flight == 2 and arbiter.peak_in_flight == 2
+    assert not arbiter.split_backward and arbiter.unsplit_backwards == 0  # bf: nothing to split, nothing counted
     assert arbiter.dispatched[-2:] == [B(0), F(2)]
 
 
