@@ -2,7 +2,8 @@
 ``--pipeline-schedule rrfp`` (its own forward step builds the schedule plan megatron-core's combined
 step asks for), through ``python -m megatron_rrfp.launch --cpu``: EP2 x PP2 x 2 model chunks MoE
 (4 experts, top-2, alltoall), bf16, 4 gloo ranks. rrfp's losses equal Megatron's combined-1F1B
-interleaved schedule's and its plain interleaved schedule's, and its trace holds paired tasks.
+interleaved schedule's and its plain interleaved schedule's, and its trace holds paired tasks and W
+tasks (the default hint pairs with its B/W split).
 ``MEGATRON_LM`` names the trees (see tests/e2e/test_megatron_lm_e2e.py); a tree runs with the
 installed megatron-core's minor, the others skip.
 """
@@ -38,12 +39,12 @@ def tree(request, tmp_path_factory) -> Path:
     return copy_tree(source, tmp_path_factory.mktemp("megatron-lm"))
 
 
-def _pairs(trace_dir: Path) -> set[str]:
+def _task_names(trace_dir: Path) -> set[str]:
     names = set()
     for path in trace_dir.glob("*.json"):
         events = json.loads(path.read_text())
         events = events["traceEvents"] if isinstance(events, dict) else events
-        names |= {e["name"] for e in events if "+" in str(e.get("name", ""))}
+        names |= {str(e["name"]) for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W", "F+B")}
     return names
 
 
@@ -58,4 +59,6 @@ def test_pretrain_gpt_with_the_overlap_under_rrfp_gives_megatrons_combined_1f1b_
     assert rrfp["loss"].keys() == {1, 2, 3}
     assert rrfp["loss"] == combined["loss"] == interleaved["loss"], (rrfp["loss"], combined["loss"],
                                                                      interleaved["loss"])
-    assert _pairs(traces), "rrfp ran no forward paired with a backward"
+    names = _task_names(traces)
+    assert any("+" in name for name in names), "rrfp ran no forward paired with a backward"
+    assert any("W" in name for name in names), f"no W task: the backward did not split beside the pairs {names}"
