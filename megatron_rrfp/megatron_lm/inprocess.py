@@ -29,7 +29,10 @@ Megatron parsed the flags, which ``maybe_wrap_for_inprocess_restart`` does befor
   timeout. ``torch.distributed``'s blocking collectives (and ``_coalescing_manager``) on a gloo group
   are issued asynchronously and waited for in slices of ``WAIT_SLICE_S``; a group whose operation
   an exception interrupted is kept for the life of the process (freeing it would join gloo's worker
-  thread, still blocked until the peer's side of the group is gone).
+  thread, still blocked until the peer's side of the group is gone). Megatron's point-to-point
+  requests (its own 1F1B's receives) cannot be waited in slices (gloo ends a receive whose
+  ``wait(timeout)`` expires), so they are waited for on a helper thread while the caller waits
+  for that thread in slices; an interrupted request stays with its thread.
 * **``--inprocess-granularity node``** builds one rank-assignment layer per host of exactly
   ``torch.cuda.device_count()`` ranks; a host running another number of ranks (any CPU run: the
   CPU redirection reports one device) cannot be assigned. Refused in one line before any rank
@@ -72,7 +75,8 @@ def prepare(args: Any, entry: Optional[Callable], *, cpu: bool) -> list[str]:
     if cpu and finalize_without_cuda():
         done.append("NVRx's ThreadedFinalize runs without a CUDA device (CPU run)")
     if cpu and wait_in_slices_on_gloo():
-        done.append(f"blocking gloo collectives wait in slices of {WAIT_SLICE_S:g} s (CPU run)")
+        done.append(f"blocking gloo collectives wait in slices of {WAIT_SLICE_S:g} s, Megatron's p2p requests on "
+                    "a helper thread (CPU run)")
     return done
 
 
@@ -205,7 +209,82 @@ def wait_in_slices_on_gloo() -> bool:
             for attribute, value in list(vars(module).items()):
                 if id(value) in replaced:
                     setattr(module, attribute, replaced[id(value)])
+    _wait_for_megatron_p2p_on_a_thread()
     return True
+
+
+_P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
+
+
+def _wait_for_megatron_p2p_on_a_thread() -> None:
+    """megatron-core's p2p module on a CPU run sees ``torch.distributed`` through the CPU
+    redirection's stand-in (cpu/megatron_core.py): its isend / irecv / batch_isend_irecv return
+    ``_ThreadWaitedRequest``s there, and nowhere else (rrfp's own transport is untouched)."""
+    import sys
+
+    import torch
+
+    distributed = getattr(getattr(sys.modules.get(_P2P_MODULE), "torch", None), "distributed", None)
+    if distributed is None or distributed is torch.distributed:
+        return  # not redirected: nothing of Megatron's p2p runs on gloo in this process
+    for name in ("isend", "irecv", "batch_isend_irecv"):
+        issue = getattr(distributed, name)
+        if not getattr(issue, "_rrfp_thread_waited", False):
+            setattr(distributed, name, _thread_waited(issue))
+
+
+def _thread_waited(issue: Callable) -> Callable:
+    import functools
+
+    @functools.wraps(issue)
+    def call(*args, **kwargs):
+        issued = issue(*args, **kwargs)
+        if isinstance(issued, list):  # batch_isend_irecv
+            return [_ThreadWaitedRequest(work) for work in issued]
+        return None if issued is None else _ThreadWaitedRequest(issued)
+
+    call._rrfp_thread_waited = True
+    return call
+
+
+class _ThreadWaitedRequest:
+    """A gloo point-to-point request whose ``wait`` runs on a helper thread while the caller waits
+    for that thread in slices of ``WAIT_SLICE_S``, so an asynchronous exception (NVRx's restart)
+    reaches the caller. An interrupted request is kept, with its thread, for the life of the process."""
+
+    def __init__(self, work: Any) -> None:
+        self._work, self._done = work, False
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self._done:
+            return True
+        finished, failure = threading.Event(), []
+
+        def wait_for_it() -> None:
+            try:
+                self._work.wait(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                failure.append(exc)
+            finally:
+                finished.set()
+
+        threading.Thread(target=wait_for_it, name="rrfp-gloo-p2p-wait", daemon=True).start()
+        try:
+            while not finished.wait(WAIT_SLICE_S):
+                pass
+        except BaseException:
+            _KEPT.append((None, self._work))
+            raise
+        if failure:
+            raise failure[0]
+        self._done = True
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getattr__(self, name):  # is_completed, exception, ...: the request's own
+        return getattr(self._work, name)
 
 
 def _gloo_group(group: Any) -> Any:

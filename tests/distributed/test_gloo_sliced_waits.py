@@ -1,6 +1,7 @@
 """The launcher's sliced waits for blocking gloo collectives (a CPU run with --inprocess-restart):
 exact sums with a late peer, plain and coalesced; an asynchronous exception reaches a rank blocked in
 an all-reduce its peer never joins, within a slice; the interrupted group is kept and a new group works.
+Megatron's point-to-point requests (its own 1F1B) are waited on a helper thread, with the same effect.
 
 Through Megatron-LM and NVRx (PP2 x DP2, TP2 x PP2): tests/e2e/test_inprocess_restart_e2e.py.
 """
@@ -20,6 +21,18 @@ def test_sliced_gloo_waits_keep_the_sums_and_let_an_asynchronous_exception_throu
         assert r["changed"] and r["sliced"], r
         assert r["sums"] == ([3.0] * 4, [3.0] * 3, [30.0] * 5), r
         assert r["fresh_sum"] == [2.0, 2.0], r
+    interrupted = results[0]["interrupted_after_s"]
+    assert interrupted is not None and 1.0 <= interrupted < 1.0 + 4 * WAIT_SLICE_S, results[0]
+    assert results[0]["kept"] == 1, results[0]
+
+
+@pytest.mark.timeout(300)
+def test_megatron_p2p_requests_wait_on_a_thread_and_let_an_asynchronous_exception_through():
+    results = {r["rank"]: r for r in launch(gloo_waits.megatron_p2p_waits, world_size=2, timeout=240)}
+    for r in results.values():
+        assert r["wrapped"] == [True, True, True], r
+        assert r["batched"] == [float(2 - r["rank"])] * 3, r
+    assert results[0]["late"] == [7.0] * 4, results[0]
     interrupted = results[0]["interrupted_after_s"]
     assert interrupted is not None and 1.0 <= interrupted < 1.0 + 4 * WAIT_SLICE_S, results[0]
     assert results[0]["kept"] == 1, results[0]

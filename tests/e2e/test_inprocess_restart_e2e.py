@@ -161,3 +161,26 @@ def test_ranks_waiting_in_megatrons_gloo_collectives_restart_too(tmp_path, layou
           f"{[expected.get(i) for i in range(3, 7)]}")
     for it in range(3, 7):
         assert restarted[it] == pytest.approx(expected[it], rel=1e-5), (it, restarted, expected)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not TREES, reason="MEGATRON_LM names no Megatron-LM tree")
+def test_megatrons_own_1f1b_restarts_in_process_too(tmp_path):
+    """The comparison run, ``--pipeline-schedule 1f1b`` under the same drill: rank 0 waits for rank 1 in a
+    gloo receive of Megatron's p2p code (waited on a helper thread on a CPU run, so NVRx's asynchronous
+    exception reaches it); the job restarts in-process and its losses equal an uninterrupted resume."""
+    if not _nvrx_importable():
+        pytest.skip("nvidia-resiliency-ext is not importable (install the 'resilience' extra or set NVRX_SITE)")
+    flags = ["1f1b" if flag == "rrfp" else flag for flag in FLAGS] + ["--num-workers", "0"]
+    tree = copy_tree(_tree(), tmp_path)
+    run = tmp_path / "run"
+    code, log = _drill(tree, run, [*flags, "--save", "ckpt", "--load", "ckpt"], 4)
+    assert code == 0, log[-8000:]
+    assert "rrfp-drill: fault raise on rank 1 at iteration 4" in log, log[-4000:]
+    restarted = _losses(log)
+    assert sorted(restarted) == [1, 2, 3, 4, 5, 6], (restarted, log[-4000:])
+    expected = _losses(_resumed_uninterrupted(tmp_path, run, tree, flags))
+    print(f"\n{os.path.basename(_tree())} 1f1b: after the in-process restart {[restarted[i] for i in range(3, 7)]}, "
+          f"uninterrupted from the same checkpoint {[expected.get(i) for i in range(3, 7)]}")
+    for it in range(3, 7):
+        assert restarted[it] == pytest.approx(expected[it], rel=1e-5), (it, restarted, expected)

@@ -63,3 +63,46 @@ def sliced_waits() -> dict:
     gc.collect()
     dist.barrier()
     return out
+
+
+def megatron_p2p_waits() -> dict:
+    """megatron-core's p2p module under the CPU redirection, then the launcher's sliced waits: its
+    requests are waited on a helper thread. A late send still arrives whole (irecv and
+    batch_isend_irecv); rank 0's wait for a receive rank 1 never sends is interrupted by an
+    asynchronous exception within a slice, and the request is kept."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from megatron_rrfp.cpu import enable_cpu_reference_schedules
+    from megatron_rrfp.megatron_lm import inprocess
+
+    enable_cpu_reference_schedules()
+    inprocess.wait_in_slices_on_gloo()
+    mdist = p2p_communication.torch.distributed  # what megatron-core's p2p code calls
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    out = {"rank": rank, "wrapped": [getattr(getattr(mdist, n), "_rrfp_thread_waited", False)
+                                     for n in ("isend", "irecv", "batch_isend_irecv")]}
+    if rank == 1:
+        time.sleep(1.5)  # rank 0 waits for this send through several slices
+        mdist.isend(torch.full((4,), 7.0), peer).wait()
+    else:
+        late = torch.zeros(4)
+        mdist.irecv(late, peer).wait()
+        out["late"] = late.tolist()
+    box = torch.zeros(3)
+    ops = [mdist.P2POp(mdist.isend, torch.full((3,), float(rank + 1)), peer),
+           mdist.P2POp(mdist.irecv, box, peer)]
+    for request in mdist.batch_isend_irecv(ops):
+        request.wait()
+    out["batched"] = box.tolist()
+    if rank == 0:
+        threading.Timer(1.0, _raise_in, (threading.get_ident(),)).start()
+        start = time.monotonic()
+        try:
+            mdist.irecv(torch.zeros(2), peer).wait()  # rank 1 never sends it
+            out["interrupted_after_s"] = None
+        except Restart:
+            out["interrupted_after_s"] = time.monotonic() - start
+        out["kept"] = len(inprocess._KEPT)
+    dist.barrier()
+    return out
