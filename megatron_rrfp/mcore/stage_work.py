@@ -209,9 +209,10 @@ def with_combined_steps(options, config, models, forward_step_func, *, forward_o
     """``options`` (an RRFPConfig) for megatron-core's combined-1F1B steps: with
     ``overlap_moe_expert_parallel_comm`` the arbiter pairs a ready F with a ready B
     (``ArbiterConfig.pair_forward_backward``). The default hint still splits the backward where
-    ``with_split_capability`` finds the models' weight gradients deferrable (not where
-    ``delay_wgrad_compute`` built Transformer Engine's layers for megatron-core's own deferral).
-    Raises a one-line ValueError where the steps cannot run here."""
+    ``with_split_capability`` finds the models' weight gradients deferrable, megatron-core's own
+    linears; with Transformer Engine's layers the backward runs whole (says so once): TE's deferral
+    inside megatron-core's combined step is not verified. Raises a one-line ValueError where the
+    steps cannot run here."""
     if not getattr(config, "overlap_moe_expert_parallel_comm", False) or forward_only:
         return options
     blocker = compat.combined_steps_blocker(config, models, forward_step_func)
@@ -223,9 +224,27 @@ def with_combined_steps(options, config, models, forward_step_func, *, forward_o
         raise ValueError(f"megatron_rrfp: --overlap-moe-expert-parallel-comm under rrfp: hint {hint.name!r} "
                          "(--rrfp-hint) places W tasks by its own order, which is not built for pairs; use --rrfp-hint "
                          "default (it pairs, and splits the backward where it can), bf or 1f1b")
-    if arbiter.pair_forward_backward:
-        return options
-    return dataclasses.replace(options, arbiter=dataclasses.replace(arbiter, pair_forward_backward=True))
+    arbiter = dataclasses.replace(arbiter, pair_forward_backward=True)
+    if arbiter.split_backward_ok and _holds_te_layers(models):
+        arbiter = dataclasses.replace(arbiter, split_backward_ok=False)
+    return dataclasses.replace(options, arbiter=arbiter)
+
+
+_TE_NOTED: set[int] = set()
+
+
+def _holds_te_layers(models) -> bool:
+    """Transformer Engine layers in ``models``; the first time per model, one line saying what that means."""
+    from ..split.te import is_te_module
+
+    if not any(is_te_module(module) for model in models for module in model.modules()):
+        return False
+    if id(models[0]) not in _TE_NOTED:
+        _TE_NOTED.add(id(models[0]))
+        print_line("megatron-rrfp: --overlap-moe-expert-parallel-comm with Transformer Engine's layers: pairs run "
+                   "each backward whole (TE's weight-gradient deferral inside megatron-core's combined step is not "
+                   "verified); megatron-core's own linears keep the B/W split beside the pairs")
+    return True
 
 
 def weight_grad_store(models, memory=None, *, hint: str = ""):

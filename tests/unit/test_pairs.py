@@ -162,6 +162,12 @@ def test_combined_steps_pair_and_refuse_what_they_cannot_run():
     config = types.SimpleNamespace(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
     paired = with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step, forward_only=False)
     assert paired.arbiter.pair_forward_backward and paired.arbiter.split_backward_ok  # split where it can
+    import torch
+
+    te_like = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    te_like[0].wgrad_store = object()  # what split/te.py recognises a Transformer Engine layer by
+    whole = with_combined_steps(RRFPConfig.of(), config, [te_like], gpt_forward_step, forward_only=False)
+    assert whole.arbiter.pair_forward_backward and not whole.arbiter.split_backward_ok  # TE: pairs run whole
     assert not with_combined_steps(RRFPConfig.of(), config, [], gpt_forward_step,
                                    forward_only=True).arbiter.pair_forward_backward  # evaluation: plain forwards
     with pytest.raises(ValueError, match="overlap-moe-expert-parallel-comm.*return_schedule_plan"):
