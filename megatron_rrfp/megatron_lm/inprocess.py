@@ -308,8 +308,9 @@ def _wait(work: Any, group: Any) -> None:
                 work.wait(timeout=datetime.timedelta(seconds=WAIT_SLICE_S))
                 return
             except RuntimeError:
-                if work.is_completed():  # the operation itself failed
-                    raise
+                if work.is_completed():  # it failed, or it completed just after the slice ran out:
+                    work.wait()  # raises the operation's own error, or returns
+                    return
     except BaseException:
         if not work.is_completed():
             _KEPT.append((group, work))
