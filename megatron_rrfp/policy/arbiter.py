@@ -180,6 +180,11 @@ class Arbiter:
         chosen, self._partner = self._partner, None
         return chosen[1] if chosen is not None and chosen[0] == task else None
 
+    def pair_with(self, task: Task, partner: Optional[Task]) -> None:
+        """The driver learned that ``task`` runs with ``partner`` (None: alone) from whoever chose
+        it (an agreement's group rank 0, from this same state): ``take_partner(task)`` returns it."""
+        self._partner = None if partner is None else (task, partner)
+
     def runs_alone_unpaired(self, task: Task) -> bool:
         """``task``, which ``choose`` just returned, is a backward it found no forward to pair with
         while forwards remain: a ready set with later arrivals might pair it."""

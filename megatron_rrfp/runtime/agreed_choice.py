@@ -107,15 +107,20 @@ class AgreedChoice:
         return None
 
     def _lead_or_listen(self, common: frozenset) -> Task:
+        """Group rank 0 chooses (with its partner, if the arbiter pairs it) and announces; the others
+        run what it announced. The partner is admitted on the state every rank shares, and its input
+        is on its way to every rank (its senders run the same tasks)."""
         if self.agreement.leads:
             chosen: list = []
             self._await(lambda: bool(chosen.append(self.arbiter.choose(common | self.ready)) or chosen[-1]))
-            self.agreement.announce(chosen[-1])
-            self.arbiter.take_partner(None)  # listeners learn the task alone: it runs alone everywhere
-            return chosen[-1]
-        with self._agreeing():
-            task = self.agreement.listen()
-        self._await(lambda: task in self.ready)  # its input is on its way to us
+            task = chosen[-1]
+            partner = self.arbiter.take_partner(task)
+            self.agreement.announce(task, partner)
+        else:
+            with self._agreeing():
+                task, partner = self.agreement.listen()
+            self._await(lambda: task in self.ready and (partner is None or partner in self.ready))
+        self.arbiter.pair_with(task, partner)  # what _dispatch takes
         return task
 
     def _state(self) -> tuple[int, ...]:

@@ -277,26 +277,26 @@ class TPAgreement:
         """Group rank 0: decides after a bubble without hearing from the others (``announce``)."""
         return self.collective.index == 0
 
-    def announce(self, task: Task) -> None:
-        """Group rank 0: tell the others the next task (returns at once)."""
-        self.collective.broadcast(self._decision(self.index[task]))
+    def announce(self, task: Task, partner: Optional[Task] = None) -> None:
+        """Group rank 0: tell the others the next task and the one it runs with, if any (returns at once)."""
+        self.collective.broadcast(self._decision(self.index[task], -1 if partner is None else self.index[partner]))
 
-    def listen(self) -> Task:
-        """The others: the task group rank 0 announced (blocks until it did)."""
+    def listen(self) -> tuple[Task, Optional[Task]]:
+        """The others: the task group rank 0 announced and its partner (None: alone); blocks until it did."""
         start, wall = time.perf_counter(), time.time()
-        got = self.collective.broadcast(self._decision(-1)).tolist()
+        got = self.collective.broadcast(self._decision(-1, -1)).tolist()
         blocked = time.perf_counter() - start
         self.stats.blocked_s += blocked
-        self.stats.peer_wait_s += min(blocked, max(0.0, got[3] / 1e9 - wall))
+        self.stats.peer_wait_s += min(blocked, max(0.0, got[4] / 1e9 - wall))
         self.stats.announced += 1
-        if got[1:3] != [self._dispatched, self._digest]:
+        if got[2:4] != [self._dispatched, self._digest]:
             raise AgreementError(f"tensor-parallel ranks are out of lock-step: group rank 0 announced after "
-                                 f"dispatched={got[1]} digest={got[2]}, this rank has dispatched={self._dispatched} "
+                                 f"dispatched={got[2]} digest={got[3]}, this rank has dispatched={self._dispatched} "
                                  f"digest={self._digest}")
-        return self.tasks[got[0]]
+        return self.tasks[got[0]], None if got[1] < 0 else self.tasks[got[1]]
 
-    def _decision(self, index: int) -> torch.Tensor:
-        return torch.tensor([index, self._dispatched, self._digest, time.time_ns()], dtype=torch.int64)
+    def _decision(self, index: int, partner: int) -> torch.Tensor:
+        return torch.tensor([index, partner, self._dispatched, self._digest, time.time_ns()], dtype=torch.int64)
 
     def commit(self, task: Task) -> None:
         self.stats.decisions += 1
