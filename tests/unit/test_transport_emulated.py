@@ -230,3 +230,19 @@ def test_thread_collective_gathers_in_rank_order():
                      for i, m in enumerate(members)])
     for gathered in out:
         assert gathered.tolist() == [[0, 0], [1, 1], [2, 2]]
+
+
+def test_group_rank_0_announces_a_task_with_its_partner_and_alone():
+    """A bubble decision of group rank 0 (``agreed_choice._lead_or_listen``): the others learn the
+    task and the forward it runs with (a pair under --overlap-moe-expert-parallel-comm), or None."""
+    a, b = _agreements(2)
+    f1, b0 = Task(Kind.F, 1), Task(Kind.B, 0)
+    _, heard = _together([lambda: a.announce(b0, f1), b.listen])
+    assert heard == (b0, f1)
+    for agreement in (a, b):  # both dispatch the pair: the digests stay equal
+        agreement.commit(b0)
+        agreement.commit(f1)
+    _, heard = _together([lambda: a.announce(Task(Kind.F, 2)), b.listen])
+    assert heard == (Task(Kind.F, 2), None) and b.stats.announced == 2
+    for agreement in (a, b):
+        agreement.close()
