@@ -107,7 +107,11 @@ def restart_in_process(kind: str) -> dict:
     parallel_state.destroy_model_parallel()
     dist.init_process_group("gloo", store=dist.PrefixStore("restart-1", store), rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    time.sleep(0.5)  # the old world's threads end on the peers' close frames, not on a timeout
+    # the old world's threads end on the peers' close frames, far sooner than RRFP's stall timeout (60 s);
+    # a loaded host may take more than a moment to run them out
+    deadline = time.monotonic() + 10.0
+    while any(t.is_alive() for t in old_threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
     record["old_threads_alive"] = sorted(t.name for t in old_threads if t.is_alive())
     record["first_after_restart_matches"] = bool(torch.equal(run(), reference))
     new_state = ScheduleState.get()
